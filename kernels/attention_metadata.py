@@ -1,0 +1,42 @@
+"""Per-step attention inputs, built once by the model runner and shared by every layer.
+
+The step's tokens are flattened: request r owns tokens [query_start[r], query_start[r] + num_query[r]),
+at positions [context_len[r] - num_query[r], context_len[r]). Every request attends causally to its
+whole context through its block table, so a fresh prefill, a chunk of a longer prompt, a recompute
+after preemption and a decode differ only in these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_tokens] cache slot (block_id * block_size + offset) each new token's K/V is written to
+    slot_mapping: torch.Tensor
+    block_size: int
+
+    # Single-query requests (decodes, and prefill chunks of one token), attended as one padded batch.
+    # [num_single] index of each one's query token in the flattened step
+    single_token_index: torch.Tensor | None
+    # [num_single, max_context] cache slot of every context position; padding points at slot 0
+    single_context_slots: torch.Tensor | None
+    # [num_single, 1, 1, max_context] True where the position is inside the request's context
+    single_context_mask: torch.Tensor | None
+
+    # Multi-query requests (prefill chunks), attended one by one.
+    multi: list[MultiQuery]
+
+
+@dataclass
+class MultiQuery:
+    start: int  # index of its first query token in the flattened step
+    num_query: int
+    # [context_len] cache slot of every context position, and the [num_query, context_len] causal
+    # mask; both None when the chunk is the whole context (a fresh prefill): its own K/V then serve
+    # directly, with a plain causal mask, without reading the cache back
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None

@@ -1,0 +1,59 @@
+"""Paged attention in plain torch: the CPU path, and the reference the Triton kernels are tested against.
+
+K/V live in a flat slot-indexed cache per layer, [num_blocks * block_size, num_kv_heads, head_dim];
+a request's context is gathered through its block table (precomputed as slot indices per step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from iterserve.kernels.attention_metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's new K/V ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; k, v: the same tokens' [num_tokens, num_kv_heads, head_dim].
+
+    Writes k, v into the cache, then returns attention output shaped like q.
+    """
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+
+    if meta.single_token_index is not None:
+        idx = meta.single_token_index
+        batch = idx.shape[0]
+        # One query per request: the query heads sharing a KV head become that head's rows, so GQA
+        # needs no repeated K/V: [batch, kv_heads, group, head_dim] against [batch, kv_heads, ctx, dim].
+        qs = q.index_select(0, idx).view(batch, num_kv_heads, group, head_dim)
+        ks = k_cache[meta.single_context_slots].transpose(1, 2)
+        vs = v_cache[meta.single_context_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.single_context_mask, scale=scale)
+        out.index_copy_(0, idx, o.reshape(batch, num_heads, head_dim))
+
+    for mq in meta.multi:
+        qm = q[mq.start : mq.start + mq.num_query].transpose(0, 1)  # [heads, n, dim]
+        if mq.context_slots is None:
+            km = k[mq.start : mq.start + mq.num_query]
+            vm = v[mq.start : mq.start + mq.num_query]
+        else:
+            km = k_cache[mq.context_slots]
+            vm = v_cache[mq.context_slots]
+        km = km.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, ctx, dim]
+        vm = vm.transpose(0, 1).repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(
+            qm, km, vm, attn_mask=mq.mask, is_causal=mq.mask is None, scale=scale
+        )
+        out[mq.start : mq.start + mq.num_query] = o.transpose(0, 1)
+    return out

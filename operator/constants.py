@@ -1,0 +1,7 @@
+"""Names of the LLMService API the operator serves (the operator itself lands with its own issue)."""
+
+GROUP = "iterserve.io"
+VERSION = "v1alpha1"
+KIND = "LLMService"
+PLURAL = "llmservices"
+SHORT_NAME = "llmsvc"

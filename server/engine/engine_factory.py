@@ -1,0 +1,110 @@
+"""Build an LLMEngine from an EngineConfig: pick device and dtype, load the model, size the KV pool."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from iterserve.server.config import EngineConfig, parse_memory
+from iterserve.server.engine.llm_engine import LLMEngine
+from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.model.loader import load_model
+from iterserve.server.model.tokenizer import load_tokenizer
+from iterserve.server.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("iterserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_DEFAULT_KV_BYTES = 2**30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device", "CUDA was asked for but is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 matmuls are several times slower than fp32 on CPUs without AMX/AVX-512 BF16
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def kv_cache_budget_bytes(value, device: torch.device) -> int:
+    """The KV pool's size in bytes, from bytes or a fraction of the memory still free."""
+    if value is None:
+        value = 0.9 if device.type == "cuda" else _CPU_DEFAULT_KV_BYTES
+    kind, number = parse_memory(value)
+    if kind == "bytes":
+        return int(number)
+    return int(number * _free_memory_bytes(device))
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+
+    loaded = load_model(config.model)
+    tokenizer = load_tokenizer(config.model)
+    mc = loaded.config
+    context_len = mc.max_position_embeddings
+    if mc.sliding_window:
+        context_len = min(context_len, mc.sliding_window)  # no sliding-window attention: stay inside it
+    if config.max_model_len is not None and config.max_model_len > context_len:
+        raise InvalidRequestError(
+            "max_model_len", f"{config.max_model_len} exceeds the model's context length {context_len}"
+        )
+    max_model_len = config.max_model_len or context_len
+
+    runner = ModelRunner(mc, loaded.weights, device, dtype, max_model_len, config.block_size)
+    del loaded  # the runner holds its own copy of the weights now
+    bytes_per_block = runner.kv_cache_bytes_per_block()
+    budget = kv_cache_budget_bytes(config.kv_cache_memory, device)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise InvalidRequestError(
+            "kv_cache_memory", f"{budget} bytes is less than one KV block ({bytes_per_block} bytes)"
+        )
+    engine = LLMEngine(
+        runner,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        knobs=config.initial_knobs(),
+        policy=config.policy,
+        eos_token_ids=_eos_ids(mc, tokenizer),
+        vocab_size=mc.vocab_size,
+    )
+    runner.allocate_kv_cache(num_blocks)
+    engine.kv_cache_report = (
+        f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} tokens, "
+        f"{num_blocks * bytes_per_block / 2**20:.0f} MiB ({dtype}, {device}); max_model_len {max_model_len}"
+    )
+    logger.info(engine.kv_cache_report)
+    return engine
+
+
+def _eos_ids(mc, tokenizer) -> set[int]:
+    ids = set(mc.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

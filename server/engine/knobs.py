@@ -1,0 +1,54 @@
+"""The scheduler's live knobs: changed from any thread, read once per step by the scheduler.
+
+A change replaces the whole frozen value, so the scheduler sees either the old set or the new one,
+never half of a change. It takes effect at the next step; nothing running is evicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+from iterserve.server.engine.sampling_params import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SchedulerKnobs:
+    max_num_seqs: int = 64  # most requests in the running batch
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes count 1 each)
+    prefill_chunk_size: int = 256  # most prompt tokens one request computes in one step
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f.name, f"must be an integer >= 1, got {value!r}")
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class LiveKnobs:
+    """Holds the current SchedulerKnobs; `update` validates a change as a whole before applying it."""
+
+    def __init__(self, initial: SchedulerKnobs):
+        self._value = initial
+        self._lock = threading.Lock()
+        self.num_changes = 0
+
+    @property
+    def value(self) -> SchedulerKnobs:
+        return self._value
+
+    def update(self, **changes: int) -> SchedulerKnobs:
+        unknown = set(changes) - {f.name for f in dataclasses.fields(SchedulerKnobs)}
+        if unknown:
+            name = sorted(unknown)[0]
+            raise InvalidRequestError(name, "unknown scheduler knob")
+        with self._lock:
+            new = dataclasses.replace(self._value, **changes)  # validates; raises before anything changes
+            if new != self._value:
+                self.num_changes += 1
+            self._value = new
+            return new

@@ -1,0 +1,111 @@
+"""After each forward pass: append sampled tokens, detokenize, detect stops, build RequestOutputs.
+
+Stops are checked in the order vLLM uses: EOS (unless ignore_eos), a stop token id, then length
+(max_tokens, max_model_len); stop strings after detokenizing. A stop string is cut from the text, and
+while a request streams, the last few characters that could still become a stop string are held back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from iterserve.server.engine.request import Request, RequestStatus
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    text: str  # the output text so far (a matched stop string excluded)
+    new_token_ids: list[int]  # tokens since this request's previous output
+    new_text: str  # text since this request's previous output
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort", once finished
+    stop_reason: int | str | None  # the stop token id or stop string, when one ended it
+    logprobs: list[float] | None  # per output token, when asked for
+    num_preemptions: int
+    arrival_time: float
+    scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+
+class _TextState:
+    """Detokenized text of one request and how much of it has been handed out."""
+
+    def __init__(self, detokenizer, stop: list[str]):
+        self.detokenizer = detokenizer
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._states: dict[str, _TextState] = {}
+
+    def add_request(self, req: Request) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = self.tokenizer.incremental_detokenizer(
+                req.prompt_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
+            )
+        self._states[req.request_id] = _TextState(detok, req.sampling_params.stop)
+
+    def append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestStatus | None:
+        """Record a sampled token; returns the finished status when it ends the request."""
+        req.append_token(token_id, logprob)
+        params = req.sampling_params
+        state = self._states[req.request_id]
+        previous_len = len(state.text)
+        if state.detokenizer is not None:
+            state.text += state.detokenizer.add(token_id)
+        if not params.ignore_eos and token_id in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        for s in state.stop:
+            # a new match must end inside the text this token added
+            at = state.text.find(s, max(0, previous_len - len(s) + 1))
+            if at >= 0:
+                state.text = state.text[:at]
+                req.stop_reason = s
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_output(self, req: Request) -> RequestOutput:
+        state = self._states[req.request_id]
+        finished = req.is_finished
+        visible = len(state.text) if finished else max(state.num_sent_chars, len(state.text) - state.holdback)
+        new_text = state.text[state.num_sent_chars : visible]
+        state.num_sent_chars = visible
+        output_ids = req.output_token_ids
+        new_ids = output_ids[state.num_sent_tokens :]
+        state.num_sent_tokens = len(output_ids)
+        if finished:
+            del self._states[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=output_ids,
+            text=state.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs else None,
+            num_preemptions=req.num_preemptions,
+            arrival_time=req.arrival_time,
+            scheduled_time=req.scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+        )

@@ -1,0 +1,191 @@
+"""Iteration-level scheduling: at every step, choose which requests compute how many tokens.
+
+Order of one `schedule()` (Orca's iteration-level batching, vLLM v1's token accounting):
+  1. running requests first, oldest first: each takes the tokens it still has to compute, at most
+     `prefill_chunk_size` and at most what is left of the step's `max_num_batched_tokens` (a decode
+     takes 1); when one cannot get a KV block, the newest running request is preempted (its blocks
+     freed, back to the waiting queue to recompute later) until it can;
+  2. waiting requests are admitted in (priority, arrival) order while running < `max_num_seqs`, their
+     next chunk's blocks fit and budget remains. Nothing is admitted in a step that had to preempt.
+The `static` policy is the baseline without iteration-level batching: a batch of up to `max_num_seqs`
+is chosen only once the previous one has fully drained, and no one else joins it meanwhile.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from iterserve.server.engine.block_manager import BlockManager
+from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
+from iterserve.server.engine.request import Request, RequestStatus
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: the contract between the scheduler and the model runner."""
+
+    # requests computing this step, in the order their tokens are laid out in the flattened batch
+    scheduled_requests: list[Request]
+    # how many tokens each scheduled request computes this step, from its num_computed_tokens on
+    num_scheduled_tokens: list[int]
+    # each scheduled request's block table (live lists owned by the block manager; read-only here)
+    block_tables: list[list[int]]
+    # sum of num_scheduled_tokens; never above the step's max_num_batched_tokens
+    total_num_scheduled_tokens: int
+    # the knobs this step was scheduled under
+    knobs: SchedulerKnobs
+    # requests preempted in this step; their blocks are already back in the pool
+    preempted_requests: list[Request] = field(default_factory=list)
+    # requests aborted since the last step; their blocks are already back in the pool
+    aborted_requests: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, knobs: LiveKnobs, policy: str = "continuous"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.block_manager = block_manager
+        self.knobs = knobs
+        self.policy = policy
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # in admission order; the newest is preempted first
+        self.num_preemptions = 0
+        # Other threads hand requests and aborts over through these; only schedule() drains them.
+        self._new_requests: deque[Request] = deque()
+        self._abort_ids: deque[str] = deque()
+        self._live: dict[str, Request] = {}  # every unfinished request, by id (engine thread only)
+        self._static_batch: set[str] = set()  # static policy: the ids of the batch being served
+
+    # -- called from any thread ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._new_requests.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self._abort_ids.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._new_requests or self._abort_ids)
+
+    # -- called by the engine loop ---------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        aborted = self._drain_inboxes()
+        knobs = self.knobs.value
+        budget = knobs.max_num_batched_tokens
+        chunk = knobs.prefill_chunk_size
+        bm = self.block_manager
+        scheduled: list[Request] = []
+        num_tokens: list[int] = []
+        tables: list[list[int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, chunk, budget)
+            total = req.num_computed_tokens + n
+            while not bm.can_allocate(req.request_id, total):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                tables.append(bm.allocate(req.request_id, total))
+                scheduled.append(req)
+                num_tokens.append(n)
+                budget -= n
+                i += 1
+
+        if not preempted:
+            self._admit(knobs, budget, scheduled, num_tokens, tables)
+
+        return SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_tokens,
+            block_tables=tables,
+            total_num_scheduled_tokens=sum(num_tokens),
+            knobs=knobs,
+            preempted_requests=preempted,
+            aborted_requests=aborted,
+        )
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Retire a running request now: its blocks go back to the pool within this step."""
+        assert status.is_finished
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.running.remove(request)
+        self._forget(request)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _admit(self, knobs: SchedulerKnobs, budget: int, scheduled, num_tokens, tables) -> None:
+        bm = self.block_manager
+        if self.policy == "static" and not self.running and not self._static_batch:
+            self._static_batch = {r.request_id for r in self.waiting[: knobs.max_num_seqs]}
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < knobs.max_num_seqs:
+            req = self.waiting[idx]
+            if self.policy == "static" and req.request_id not in self._static_batch:
+                idx += 1
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, knobs.prefill_chunk_size, budget)
+            if not bm.can_allocate(req.request_id, n):
+                break  # FCFS: nobody overtakes the head for lack of memory
+            del self.waiting[idx]
+            tables.append(bm.allocate(req.request_id, n))
+            req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled.append(req)
+            num_tokens.append(n)
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0  # recompute prompt and output so far when readmitted
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=_sort_key)
+
+    def _drain_inboxes(self) -> list[Request]:
+        while self._new_requests:
+            req = self._new_requests.popleft()
+            self._live[req.request_id] = req
+            bisect.insort(self.waiting, req, key=_sort_key)
+        aborted = []
+        while self._abort_ids:
+            req = self._live.get(self._abort_ids.popleft())
+            if req is None:
+                continue  # already finished, or never known
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.finished_time = time.monotonic()
+            self._forget(req)
+            aborted.append(req)
+        return aborted
+
+    def _forget(self, req: Request) -> None:
+        self.block_manager.free(req.request_id)
+        self._live.pop(req.request_id, None)
+        self._static_batch.discard(req.request_id)
+
+
+def _sort_key(req: Request) -> tuple[int, int]:
+    return req.sort_key

@@ -1,0 +1,24 @@
+"""The `iterserve` command: one subcommand per job (generate; serve, bench and operator come later)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from iterserve.server.entrypoints import generate_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iterserve", description="Continuous-batching LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate_cmd.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The Llama family in torch (Llama, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU, tied or untied head.
+
+It runs on a flattened batch: `input_ids` and `positions` are [num_tokens] across all requests of the
+step, and attention goes through the paged KV cache (see kernels/attention_metadata.py). q/k/v and
+gate/up are fused into one matmul each, which matters on CPU where every op has a fixed cost.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.kernels.attention_metadata import AttentionMetadata
+from iterserve.server.model.model_config import ModelConfig
+from iterserve.server.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 whatever the run dtype, as HF does, so bf16 runs match it.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.rope = rope
+        self.attention_fn = attention_fn
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        o = self.attention_fn(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.view(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope, attention_fn)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints alike."""
+
+    def __init__(self, cfg: ModelConfig, attention_fn, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.rope = RotaryEmbedding(cfg, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, attention_fn) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
+        # module between devices and dtypes cannot untie it.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"model: checkpoint is missing tensor {name!r}")
+            return weights[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if param.shape != value.shape:
+                raise ValueError(f"model: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            param.copy_(value)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if not self.config.tie_word_embeddings:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            qkv = [take(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]
+            put(attn.qkv_proj.weight, torch.cat(qkv), f"{p}self_attn.qkv_proj.weight")
+            if attn.qkv_proj.bias is not None:
+                bias = [take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]
+                put(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.qkv_proj.bias")
+            put(attn.o_proj.weight, take(f"{p}self_attn.o_proj.weight"), f"{p}self_attn.o_proj.weight")
+            if attn.o_proj.bias is not None:
+                put(attn.o_proj.bias, take(f"{p}self_attn.o_proj.bias"), f"{p}self_attn.o_proj.bias")
+            gate_up = [take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]
+            put(layer.mlp.gate_up_proj.weight, torch.cat(gate_up), f"{p}mlp.gate_up_proj.weight")
+            put(layer.mlp.down_proj.weight, take(f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj.weight")
+            put(layer.input_layernorm.weight, take(f"{p}input_layernorm.weight"), f"{p}input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, take(f"{p}post_attention_layernorm.weight"),
+                f"{p}post_attention_layernorm.weight")

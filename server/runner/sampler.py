@@ -1,0 +1,67 @@
+"""Choose each request's next token from its logits: greedy, or temperature / top-k / top-p sampling.
+
+Every row is processed on its own (no cross-row normalisation), and a seeded request draws from its
+own torch.Generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from iterserve.server.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sampling request, in order
+    logprobs: list[float | None]  # logprob of the chosen token under the model's raw distribution
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    """logits: [len(requests), vocab] float32."""
+    params = [r.sampling_params for r in requests]
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        token_ids = token_ids.clone()
+        for i in random_rows:
+            # on the CPU: a seeded request's generator lives there, and one row is cheap to move
+            token_ids[i] = _sample_row(logits[i].cpu(), requests[i])
+    chosen = token_ids.tolist()
+
+    logprobs: list[float | None] = [None] * len(requests)
+    wanted = [i for i, p in enumerate(params) if p.logprobs]
+    if wanted:
+        rows = torch.tensor(wanted)
+        lp = torch.log_softmax(logits[rows], dim=-1).gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)
+        for i, value in zip(wanted, lp.tolist()):
+            logprobs[i] = value
+    return SamplerOutput(chosen, logprobs)
+
+
+def _sample_row(row: torch.Tensor, req: Request) -> int:
+    p = req.sampling_params
+    row = row / p.temperature
+    if 0 < p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens ranked before it already cover top_p; the first always stays
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
+        row = row.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+    probs = row.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=_generator(req)).item())
+
+
+def _generator(req: Request) -> torch.Generator | None:
+    seed = req.sampling_params.seed
+    if seed is None:
+        return None  # the global RNG, seeded once by the engine
+    if req.sampling_generator is None:
+        req.sampling_generator = torch.Generator(device="cpu")
+        req.sampling_generator.manual_seed(seed)
+    return req.sampling_generator
