@@ -74,6 +74,15 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                     priority: int = 0) -> str:
         """Validate and queue a request; it joins the batch at a later step. Returns its id."""
+        req = self.make_request(prompt, sampling_params, prompt_token_ids=prompt_token_ids,
+                                request_id=request_id, priority=priority)
+        self.enqueue(req)
+        return req.request_id
+
+    def make_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                     priority: int = 0) -> Request:
+        """Validate a request without queueing it (raises InvalidRequestError naming the field)."""
         params = sampling_params or SamplingParams()
         ids = self._prompt_ids(prompt, prompt_token_ids)
         if len(ids) >= self.max_model_len:
@@ -92,9 +101,11 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
         )
+        return req
+
+    def enqueue(self, req: Request) -> None:
         self.output_processor.add_request(req)
         self.scheduler.add_request(req)
-        return req.request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (its client went away); its blocks are freed at the next step."""

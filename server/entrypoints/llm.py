@@ -39,15 +39,15 @@ class LLM:
         inputs = _normalize_prompts(prompts, prompt_token_ids)
         params = _per_request(sampling_params, len(inputs), "sampling_params") or [SamplingParams()] * len(inputs)
         priorities = _per_request(priority, len(inputs), "priority") or [0] * len(inputs)
-        ids: list[str] = []
-        try:
-            for (text, token_ids), p, prio in zip(inputs, params, priorities):
-                ids.append(self.engine.add_request(text, p, prompt_token_ids=token_ids, priority=prio))
-        except InvalidRequestError as e:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise InvalidRequestError(e.param, f"prompt {len(ids)}: {e.message}") from None
-        return self._run(ids, use_tqdm)
+        requests = []
+        for i, ((text, token_ids), p, prio) in enumerate(zip(inputs, params, priorities)):
+            try:
+                requests.append(self.engine.make_request(text, p, prompt_token_ids=token_ids, priority=prio))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(e.param, f"prompt {i}: {e.message}") from None
+        for req in requests:  # all valid: only now does any of them join the queue
+            self.engine.enqueue(req)
+        return self._run([r.request_id for r in requests], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -64,6 +64,8 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while pending:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
             for out in self.engine.step():
                 if out.finished and out.request_id in pending:
                     pending.discard(out.request_id)
