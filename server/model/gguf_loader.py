@@ -1,0 +1,221 @@
+"""Read a llama.cpp GGUF file into a ModelConfig and float32 weights under Hugging Face names.
+
+Quantized tensors are dequantized once at load time (the engine runs unquantized weights).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from iterserve.server.model.model_config import ModelConfig
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp stores Llama-3 rope scaling as precomputed per-frequency divisors, not as parameters.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    try:
+        stat = os.stat(path)
+        return _cached_reader(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+    except Exception as exc:  # the reader raises whatever numpy/struct hit on a bad file
+        raise ValueError(f"model: GGUF file {path} could not be read (corrupt or truncated?): {exc}") from exc
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    """GGUFReader parses every metadata array element by element (~3 s for a 49k-token vocabulary);
+    the model and its tokenizer are loaded from the same file, so parse it once. The key includes
+    mtime and size so a rewritten file is read afresh."""
+    return gguf.GGUFReader(path)
+
+
+def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python object (str, int, float, bool or list), or `default`."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except Exception as exc:
+        raise ValueError(f"model: GGUF metadata {key} could not be read: {exc}") from exc
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config(reader, tensors, path)
+    weights = {}
+    for name, tensor in tensors.items():
+        if name == _ROPE_FREQS:
+            continue
+        hf_name = _hf_name(name)
+        data = _dequantize(tensor, path)
+        if config.architecture == "LlamaForCausalLM" and ".attn_q." in name:
+            data = _unpermute(data, config.num_attention_heads)
+        elif config.architecture == "LlamaForCausalLM" and ".attn_k." in name:
+            data = _unpermute(data, config.num_key_value_heads)
+        weights[hf_name] = data
+    return config, weights
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    match = _LAYER_RE.fullmatch(name)
+    if not match or match.group(2) not in _LAYER_TENSORS:
+        raise ValueError(f"model: GGUF tensor {name} is not a known Llama/Qwen2 tensor")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+
+
+def _dequantize(tensor: Any, path: str) -> torch.Tensor:
+    # GGUF lists dimensions fastest-first; torch wants them slowest-first.
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    try:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    except Exception as exc:
+        raise ValueError(
+            f"model: GGUF file {path} could not be read (corrupt or truncated?): tensor {tensor.name}: {exc}"
+        ) from exc
+    # Unquantized tensors come back as read-only views of the memory-mapped file.
+    if not array.flags.writeable or array.dtype != np.float32:
+        array = array.astype(np.float32)
+    return torch.from_numpy(array)
+
+
+def _unpermute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf.py's q/k row permutation for Llama, which regroups each head's rotary
+    halves into interleaved pairs (llama.cpp's rope is the GPT-J style). Same as transformers'
+    `reverse_permute_weights`; k is permuted per KV head, so it gets `num_key_value_heads`."""
+    dim = weights.shape[0] // n_head // 2
+    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
+    return w.transpose(1, 2).reshape(weights.shape).contiguous()
+
+
+def _config(reader: gguf.GGUFReader, tensors: dict[str, Any], path: str) -> ModelConfig:
+    arch = metadata(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"model: general.architecture {arch!r} in {path} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+        )
+
+    def required(key: str) -> Any:
+        value = metadata(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"model: GGUF metadata {arch}.{key} is missing from {path}")
+        if isinstance(value, list):
+            raise ValueError(f"model: GGUF metadata {arch}.{key} varies per layer, which is not supported")
+        return value
+
+    hidden = required("embedding_length")
+    heads = required("attention.head_count")
+    head_dim = metadata(reader, f"{arch}.attention.key_length") or hidden // heads
+    rotary_dim = metadata(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise ValueError(f"model: {arch}.rope.dimension_count {rotary_dim} != head_dim {head_dim} (partial rotary) is not supported")
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"model: GGUF file {path} is missing tensor token_embd.weight")
+    vocab = metadata(reader, f"{arch}.vocab_size") or int(tensors["token_embd.weight"].shape[1])
+
+    eos_ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token = metadata(reader, f"tokenizer.ggml.{key}")
+        if token is not None and token not in eos_ids:
+            eos_ids.append(token)
+
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=required("feed_forward_length"),
+        num_hidden_layers=required("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=metadata(reader, f"{arch}.attention.head_count_kv") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch, tensors, head_dim),
+        max_position_embeddings=required("context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any], head_dim: int) -> dict | None:
+    if _ROPE_FREQS in tensors:
+        return _llama3_rope_scaling(_dequantize(tensors[_ROPE_FREQS], "rope_freqs"), reader, arch, head_dim)
+    kind = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    factor = metadata(reader, f"{arch}.rope.scaling.factor")
+    if kind not in ("linear", "yarn") or factor is None:
+        raise ValueError(f"model: {arch}.rope.scaling.type {kind!r} (factor {factor}) is not supported")
+    scaling = {"rope_type": kind, "factor": float(factor)}
+    original = metadata(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+def _llama3_rope_scaling(freqs: torch.Tensor, reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict:
+    """Recover transformers' llama3 rope parameters from llama.cpp's divisors. The file keeps only the
+    divisors, so assume the parameters every Llama 3.x release uses (only the factor varies) and check
+    that they reproduce the divisors exactly, refusing the file otherwise."""
+    theta = float(metadata(reader, f"{arch}.rope.freq_base", 10000.0))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(freqs.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if not torch.allclose(freqs, llama3_rope_divisors(scaling, theta, head_dim), rtol=1e-4):
+        raise ValueError("model: GGUF tensor rope_freqs does not match Llama-3 rope scaling; not supported")
+    return scaling
+
+
+def llama3_rope_divisors(scaling: dict, theta: float, head_dim: int) -> torch.Tensor:
+    """What convert_hf_to_gguf.py writes as rope_freqs: per rotary pair, the divisor of its frequency."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = original / low, original / high
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / theta ** (i / head_dim))
+        if wavelen < high_wavelen:
+            divisors.append(1.0)
+        elif wavelen > low_wavelen:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(divisors, dtype=torch.float32)
