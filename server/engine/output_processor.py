@@ -16,14 +16,17 @@ from iterserve.server.engine.request import Request, RequestStatus
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
+    # every output token: on the final output only (copying it each step would cost O(length));
+    # while a request runs, new_token_ids carries each step's tokens
+    token_ids: list[int]
     text: str  # the output text so far (a matched stop string excluded)
     new_token_ids: list[int]  # tokens since this request's previous output
     new_text: str  # text since this request's previous output
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort", once finished
     stop_reason: int | str | None  # the stop token id or stop string, when one ended it
-    logprobs: list[float] | None  # per output token, when asked for
+    logprobs: list[float] | None  # per output token, when asked for (final output only, like token_ids)
+    new_logprobs: list[float] | None  # logprobs of new_token_ids, when asked for
     num_preemptions: int
     arrival_time: float
     scheduled_time: float | None
@@ -87,22 +90,24 @@ class OutputProcessor:
         visible = len(state.text) if finished else max(state.num_sent_chars, len(state.text) - state.holdback)
         new_text = state.text[state.num_sent_chars : visible]
         state.num_sent_chars = visible
-        output_ids = req.output_token_ids
-        new_ids = output_ids[state.num_sent_tokens :]
-        state.num_sent_tokens = len(output_ids)
+        sent = state.num_sent_tokens
+        new_ids = req.token_ids[req.num_prompt_tokens + sent :]
+        state.num_sent_tokens += len(new_ids)
+        want_logprobs = req.sampling_params.logprobs
         if finished:
             del self._states[req.request_id]
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=output_ids,
+            token_ids=req.output_token_ids if finished else [],
             text=state.text,
             new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs else None,
+            logprobs=list(req.output_logprobs) if finished and want_logprobs else None,
+            new_logprobs=req.output_logprobs[sent:] if want_logprobs else None,
             num_preemptions=req.num_preemptions,
             arrival_time=req.arrival_time,
             scheduled_time=req.scheduled_time,

@@ -28,72 +28,70 @@ class StepInputs:
     sampling_requests: list[Request]
 
 
-def context_slots(tables: list[list[int]], context_lens: np.ndarray, block_size: int) -> np.ndarray:
-    """[len(tables), max(context_lens)] cache slot of each context position; past the end: slot of block 0."""
-    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """[len(tables), longest] block ids, zero-padded (block 0 is a valid index; masks hide it)."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    total = int(lens.sum())
     padded = np.zeros((len(tables), max(int(lens.max()), 1)), dtype=np.int64)
     rows = np.repeat(np.arange(len(tables)), lens)
-    cols = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-    padded[rows, cols] = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+    cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    padded[rows, cols] = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=total)
+    return padded
+
+
+def context_slots(padded_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """[rows, max(context_lens)] cache slot of each context position (past a row's end: garbage, masked)."""
     pos = np.arange(int(context_lens.max()))
-    return padded[:, pos // block_size] * block_size + pos % block_size
+    return padded_tables[:, pos // block_size] * block_size + pos % block_size
 
 
 def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
     bs = block_size
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    single_index: list[int] = []
-    single_tables: list[list[int]] = []
-    single_context: list[int] = []
-    multi: list[tuple[int, int, int, list[int]]] = []  # (start, num_query, num_computed, table)
-    sample_indices: list[int] = []
-    sampling_requests: list[Request] = []
+    reqs = out.scheduled_requests
+    num_reqs = len(reqs)
+    computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
+    num_new = np.asarray(out.num_scheduled_tokens, dtype=np.int64)
+    ends = computed + num_new
+    starts = np.cumsum(num_new) - num_new  # first index of each request in the flattened step
+    num_tokens = int(num_new.sum())
 
-    t = 0
-    for req, n, table in zip(out.scheduled_requests, out.num_scheduled_tokens, out.block_tables):
-        c = req.num_computed_tokens
-        end = c + n
-        if n == 1:
-            input_ids.append(req.token_ids[c])
-            positions.append(c)
-            slots.append(table[c // bs] * bs + c % bs)
-            single_index.append(t)
-            single_tables.append(table)
-            single_context.append(end)
-        else:
-            input_ids.extend(req.token_ids[c:end])
-            positions.extend(range(c, end))
-            slots.extend([table[p // bs] * bs + p % bs for p in range(c, end)])
-            multi.append((t, n, c, table))
-        t += n
-        if end == req.num_tokens:
-            sample_indices.append(t - 1)
-            sampling_requests.append(req)
+    # Positions and cache slots of every new token, vectorized over the flattened step.
+    token_req = np.repeat(np.arange(num_reqs), num_new)
+    positions = np.arange(num_tokens) - starts[token_req] + computed[token_req]
+    tables = padded_block_tables(out.block_tables)
+    slots = tables[token_req, positions // bs] * bs + positions % bs
+    input_ids = list(chain.from_iterable(
+        r.token_ids[c:e] for r, c, e in zip(reqs, computed.tolist(), ends.tolist())
+    ))
 
+    # Requests whose computed tokens reach their total sample a token from their last position.
+    totals = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=num_reqs)
+    sampling = np.flatnonzero(ends == totals)
+    sample_indices = starts[sampling] + num_new[sampling] - 1
+
+    single = np.flatnonzero(num_new == 1)
     single_slots = single_mask = single_idx = None
-    if single_index:
-        ctx = np.asarray(single_context, dtype=np.int64)
-        single_slots = torch.from_numpy(context_slots(single_tables, ctx, bs)).to(device)
+    if len(single):
+        ctx = ends[single]
+        single_slots = torch.from_numpy(context_slots(tables[single], ctx, bs)).to(device)
         mask = np.arange(single_slots.shape[1])[None, :] < ctx[:, None]
         single_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
-        single_idx = torch.tensor(single_index, dtype=torch.long, device=device)
+        single_idx = torch.from_numpy(starts[single]).to(device)
 
     multi_queries = []
-    for start, n, c, table in multi:
+    for i in np.flatnonzero(num_new > 1).tolist():
+        start, n, c = int(starts[i]), int(num_new[i]), int(computed[i])
         if c == 0:
             multi_queries.append(MultiQuery(start, n, None, None))
             continue
-        ctx = c + n
-        ctx_slots = context_slots([table], np.asarray([ctx]), bs)[0]
-        mask = np.arange(ctx)[None, :] <= (c + np.arange(n))[:, None]
+        ctx_slots = context_slots(tables[i : i + 1], np.asarray([c + n]), bs)[0]
+        mask = np.arange(c + n)[None, :] <= (c + np.arange(n))[:, None]
         multi_queries.append(
             MultiQuery(start, n, torch.from_numpy(ctx_slots).to(device), torch.from_numpy(mask).to(device))
         )
 
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=torch.from_numpy(slots).to(device),
         block_size=bs,
         single_token_index=single_idx,
         single_context_slots=single_slots,
@@ -102,8 +100,8 @@ def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.dev
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        positions=torch.from_numpy(positions).to(device),
         meta=meta,
-        sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
-        sampling_requests=sampling_requests,
+        sample_indices=torch.from_numpy(sample_indices).to(device),
+        sampling_requests=[reqs[i] for i in sampling.tolist()],
     )
