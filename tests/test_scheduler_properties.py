@@ -647,3 +647,35 @@ def test_tokens_do_not_depend_on_knobs(requests, configs):
         results.append(finals)
         assert finals == expected, config
     assert all(r == results[0] for r in results)
+
+
+# ---------------------------------------------------------------------------------------------------
+# request ids
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_duplicate_live_request_id_is_rejected(steps_before):
+    # The block manager, the scheduler's live set and the output processor are all keyed by request id,
+    # so a second live request under the same id would share the first one's KV blocks.
+    eng = make_engine(policy="continuous", block_size=2, num_blocks=8, max_model_len=16,
+                      knobs=SchedulerKnobs(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8))
+    eng.add_request(prompt_token_ids=[1, 2, 3], sampling_params=params(4), request_id="x")
+    outputs = [o for _ in range(steps_before) for o in eng.step()]
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request(prompt_token_ids=[4, 5, 6, 7, 8], sampling_params=params(4), request_id="x")
+    assert e.value.param == "request_id"
+    while eng.has_unfinished_requests():
+        outputs += eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [("x", "length")]
+    assert outputs[-1].token_ids == reference_output([1, 2, 3], 4, 16)
+    assert eng.block_manager.num_free_blocks == 8
+
+
+def test_request_id_can_be_reused_once_finished():
+    eng = make_engine(policy="continuous", block_size=2, num_blocks=8, max_model_len=16,
+                      knobs=SchedulerKnobs(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8))
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8]):
+        eng.add_request(prompt_token_ids=prompt, sampling_params=params(4), request_id="x")
+        assert run_to_completion(eng, max_steps=100) == {"x": [reference_output(prompt, 4, 16), "length"]}
+    assert eng.block_manager.num_free_blocks == 8

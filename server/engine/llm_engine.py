@@ -10,6 +10,7 @@ effect at the next step.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.knobs, policy)
         self.output_processor = OutputProcessor(tokenizer, max_model_len)
         self.stats = EngineStats()
+        self._enqueue_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config) -> "LLMEngine":
@@ -104,7 +106,12 @@ class LLMEngine:
         return req
 
     def enqueue(self, req: Request) -> None:
-        self.output_processor.add_request(req)
+        """Queue a validated request. Its id must not belong to a request still in the engine (one
+        aborted but not yet reported counts): ids key the block tables and the output state."""
+        with self._enqueue_lock:
+            if self.output_processor.has_request(req.request_id):
+                raise InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
+            self.output_processor.add_request(req)
         self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> None:

@@ -52,6 +52,9 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._states: dict[str, _TextState] = {}
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
     def add_request(self, req: Request) -> None:
         detok = None
         if self.tokenizer is not None:
