@@ -19,16 +19,18 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
 
-    # Single-query requests (decodes, and prefill chunks of one token), attended as one padded batch.
-    # [num_single] index of each one's query token in the flattened step
-    single_token_index: torch.Tensor | None
-    # [num_single, max_context] cache slot of every context position; padding points at slot 0
-    single_context_slots: torch.Tensor | None
-    # [num_single, 1, 1, max_context] True where the position is inside the request's context
-    single_context_mask: torch.Tensor | None
-
+    # Single-query requests (decodes, and prefill chunks of one token), attended as a few padded
+    # batches of similar context length, so little of the gathered K/V is padding.
+    single_groups: list[SingleQueryGroup]
     # Multi-query requests (prefill chunks), attended one by one.
     multi: list[MultiQuery]
+
+
+@dataclass
+class SingleQueryGroup:
+    token_index: torch.Tensor  # [n] index of each request's query token in the flattened step
+    context_slots: torch.Tensor  # [n, max_context] cache slot of each context position (padding: any)
+    context_mask: torch.Tensor  # [n, 1, 1, max_context] True inside the request's context
 
 
 @dataclass

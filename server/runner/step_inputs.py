@@ -12,7 +12,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery
+from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery, SingleQueryGroup
 from iterserve.server.engine.request import Request
 from iterserve.server.engine.scheduler import SchedulerOutput
 
@@ -42,7 +42,21 @@ def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
 def context_slots(padded_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> np.ndarray:
     """[rows, max(context_lens)] cache slot of each context position (past a row's end: garbage, masked)."""
     pos = np.arange(int(context_lens.max()))
-    return padded_tables[:, pos // block_size] * block_size + pos % block_size
+    return np.ascontiguousarray(padded_tables[:, pos // block_size] * block_size + pos % block_size)
+
+
+# Single-query requests are split into at most this many groups of similar context length, and a
+# group is never smaller than _MIN_GROUP: more groups cut padding but add per-layer op overhead.
+_MAX_GROUPS = 4
+_MIN_GROUP = 16
+
+
+def _groups_by_context(rows: np.ndarray, context_lens: np.ndarray) -> list[np.ndarray]:
+    if len(rows) == 0:
+        return []
+    rows = rows[np.argsort(context_lens[rows], kind="stable")]
+    num_groups = max(1, min(_MAX_GROUPS, len(rows) // _MIN_GROUP))
+    return np.array_split(rows, num_groups)
 
 
 def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
@@ -69,14 +83,16 @@ def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.dev
     sampling = np.flatnonzero(ends == totals)
     sample_indices = starts[sampling] + num_new[sampling] - 1
 
-    single = np.flatnonzero(num_new == 1)
-    single_slots = single_mask = single_idx = None
-    if len(single):
-        ctx = ends[single]
-        single_slots = torch.from_numpy(context_slots(tables[single], ctx, bs)).to(device)
-        mask = np.arange(single_slots.shape[1])[None, :] < ctx[:, None]
-        single_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
-        single_idx = torch.from_numpy(starts[single]).to(device)
+    single_groups = []
+    for group in _groups_by_context(np.flatnonzero(num_new == 1), ends):
+        ctx = ends[group]
+        slots_g = context_slots(tables[group], ctx, bs)
+        mask = np.arange(slots_g.shape[1])[None, :] < ctx[:, None]
+        single_groups.append(SingleQueryGroup(
+            token_index=torch.from_numpy(starts[group]).to(device),
+            context_slots=torch.from_numpy(slots_g).to(device),
+            context_mask=torch.from_numpy(mask).to(device)[:, None, None, :],
+        ))
 
     multi_queries = []
     for i in np.flatnonzero(num_new > 1).tolist():
@@ -93,9 +109,7 @@ def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.dev
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
         block_size=bs,
-        single_token_index=single_idx,
-        single_context_slots=single_slots,
-        single_context_mask=single_mask,
+        single_groups=single_groups,
         multi=multi_queries,
     )
     return StepInputs(
