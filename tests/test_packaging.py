@@ -64,7 +64,7 @@ def test_regular_install(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     # every sub-package made it into the wheel
-    for sub in ("server/engine", "server/model", "server/runner", "server/entrypoints", "operator", "kernels"):
+    for sub in ("server/engine", "server/model", "server/runner", "server/entrypoints", "server/api", "operator", "kernels"):
         assert list((target / "iterserve" / sub).glob("*.py")), sub
     assert not (target / "operator").exists()
     env = {**os.environ, "PYTHONPATH": str(target)}

@@ -76,6 +76,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._new_requests or self._abort_ids)
 
+    def num_waiting_requests(self) -> int:
+        """Waiting requests, including those added since the last step (for admission control)."""
+        return len(self.waiting) + len(self._new_requests)
+
     # -- called by the engine loop ---------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

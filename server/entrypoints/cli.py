@@ -1,17 +1,18 @@
-"""The `iterserve` command: one subcommand per job (generate; serve, bench and operator come later)."""
+"""The `iterserve` command: one subcommand per job (generate, serve; bench and operator come later)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from iterserve.server.entrypoints import generate_cmd
+from iterserve.server.entrypoints import generate_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description="Continuous-batching LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
+    serve_cmd.register(sub)
     return parser
 
 

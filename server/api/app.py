@@ -1,0 +1,138 @@
+"""The FastAPI app: thin routes over `serving`, `responses`, `metrics` and `admin`.
+
+Auth: with an API key configured, every /v1 route needs `Authorization: Bearer KEY`; /admin needs the
+separate admin token; /health, /ready and /metrics are open (probes and scrapers carry no secrets).
+A request whose client disconnects is aborted: a stream when Starlette cancels it, a non-streaming
+request through a watcher on the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from iterserve.server.api import admin
+from iterserve.server.api.errors import APIError, install_error_handlers
+from iterserve.server.api.protocol import ChatCompletionRequest, CompletionRequest, KnobsPatch
+from iterserve.server.api.responses import chat_body, completion_body, stream_events
+from iterserve.server.api.serving import ServerState, collect, prepare_chat, prepare_completion, start
+from iterserve.server.engine.async_engine import EngineStepError, EngineStoppedError
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _check_token(request: Request, expected: str | None, what: str) -> None:
+    if expected is None:
+        return
+    given = _bearer(request)
+    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise APIError(401, f"a valid {what} is required (Authorization: Bearer ...)", code="invalid_api_key")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="iterserve", version="0.1.0",
+                  description="OpenAI-compatible continuous-batching LLM server")
+    app.state.iterserve = state
+    install_error_handlers(app)
+
+    def api_key(request: Request) -> None:
+        _check_token(request, state.api_key, "API key")
+
+    def admin_token(request: Request) -> None:
+        if state.admin_token is None:
+            raise APIError(401, "the admin API is disabled: start the server with --admin-token",
+                           code="admin_disabled")
+        _check_token(request, state.admin_token, "admin token")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"} if state.engine.is_running else _unavailable("the engine loop is not running")
+
+    @app.get("/ready")
+    async def ready():
+        if state.draining:
+            return _unavailable("draining")
+        return {"status": "ready"} if state.engine.is_running else _unavailable("the engine loop is not running")
+
+    @app.get("/metrics")
+    async def metrics():
+        body = state.metrics.render(state.draining) if state.metrics else b""
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(api_key)])
+    async def models():
+        engine = state.engine.engine
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "iterserve",
+            "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(api_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        return await _run(state, request, prepare_completion(state, body), chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _run(state, request, prepare_chat(state, body), chat=True)
+
+    @app.get("/admin/scheduler", dependencies=[Depends(admin_token)])
+    async def get_scheduler():
+        return admin.describe(state)
+
+    @app.patch("/admin/scheduler", dependencies=[Depends(admin_token)])
+    async def patch_scheduler(body: KnobsPatch):
+        return admin.apply(state, body)
+
+    return app
+
+
+def _unavailable(reason: str) -> JSONResponse:
+    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+
+async def _run(state: ServerState, request: Request, job, chat: bool):
+    try:
+        queues = start(state, job)
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), code="engine_stopped") from None
+    if job.stream:
+        return StreamingResponse(stream_events(state, job, queues, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    final = await _until_disconnect(request, collect(state, job, queues))
+    if final is None:
+        return Response(status_code=499)  # nobody is listening; the choices are aborted
+    return (chat_body if chat else completion_body)(state, job, final)
+
+
+async def _until_disconnect(request: Request, work):
+    """Run `work`; if the client disconnects first, cancel it (which aborts its requests) -> None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+    try:
+        return task.result()
+    except EngineStepError as e:
+        raise APIError(500, str(e), code="engine_error") from None
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), code="engine_stopped") from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect (or never comes).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,129 @@
+"""Response bodies and SSE chunks in OpenAI's exact shapes (completions and chat), with usage.
+
+Streams are `data: {json}\\n\\n` events ending in `data: [DONE]\\n\\n`. A chat stream opens each choice
+with a `{"role": "assistant", "content": ""}` delta; text deltas follow as the engine produces them;
+the choice's last chunk carries its finish_reason. With stream_options.include_usage every chunk has
+`"usage": null` and one last chunk with no choices carries the totals.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from iterserve.server.api.serving import Job, ServerState, merged_outputs
+from iterserve.server.engine.async_engine import EngineStepError
+from iterserve.server.engine.output_processor import RequestOutput
+
+
+def usage(job: Job, completion_tokens: int) -> dict:
+    prompt_tokens = sum(job.prompt_lengths)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_texts(state: ServerState, ids: list[int]) -> list[str]:
+    tok = state.engine.engine.tokenizer
+    if tok is None:
+        return [f"token_id:{t}" for t in ids]
+    return [tok.decode([t], skip_special_tokens=False) for t in ids]
+
+
+def completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float] | None,
+                        text_offset: int = 0) -> dict | None:
+    """Only the chosen token's logprob is computed, so top_logprobs lists that token alone."""
+    if logprobs is None:
+        return None
+    tokens = _token_texts(state, ids)
+    offsets, at = [], text_offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": list(logprobs),
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)], "text_offset": offsets}
+
+
+def chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float] | None) -> dict | None:
+    if logprobs is None:
+        return None
+    content = []
+    for t, lp in zip(_token_texts(state, ids), logprobs):
+        entry = {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        content.append({**entry, "top_logprobs": [dict(entry)]})
+    return {"content": content}
+
+
+def completion_body(state: ServerState, job: Job, final: dict[int, RequestOutput]) -> dict:
+    choices = []
+    for c in job.choices:
+        out = final[c.index]
+        choices.append({
+            "index": c.index, "text": out.text,
+            "logprobs": completion_logprobs(state, out.token_ids, out.logprobs),
+            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+        })
+    return {"id": job.id, "object": "text_completion", "created": job.created, "model": state.model_name,
+            "choices": choices, "usage": usage(job, sum(len(o.token_ids) for o in final.values()))}
+
+
+def chat_body(state: ServerState, job: Job, final: dict[int, RequestOutput]) -> dict:
+    choices = []
+    for c in job.choices:
+        out = final[c.index]
+        choices.append({
+            "index": c.index, "message": {"role": "assistant", "content": out.text},
+            "logprobs": chat_logprobs(state, out.token_ids, out.logprobs),
+            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+        })
+    return {"id": job.id, "object": "chat.completion", "created": job.created, "model": state.model_name,
+            "choices": choices, "usage": usage(job, sum(len(o.token_ids) for o in final.values()))}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> AsyncIterator[str]:
+    """The SSE body of a streaming request. Cancelling it (client gone) aborts its choices."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    base = {"id": job.id, "object": obj, "created": job.created, "model": state.model_name}
+    with_usage = job.include_usage
+    num_tokens = 0
+    text_offsets: dict[int, int] = {}
+
+    def chunk(choice: dict, extra_usage: dict | None = None) -> str:
+        body = {**base, "choices": [choice]}
+        if with_usage:
+            body["usage"] = extra_usage
+        return _sse(body)
+
+    if chat:
+        for c in job.choices:
+            yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None})
+    try:
+        async for index, out in merged_outputs(state, job, queues):
+            num_tokens += len(out.new_token_ids)
+            if not out.new_text and not out.finished and not job.want_logprobs:
+                continue  # a token that completes no character yet (held back, not lost)
+            running_usage = usage(job, num_tokens) if job.continuous_usage else None
+            finish = out.finish_reason if out.finished else None
+            if chat:
+                delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+                yield chunk({"index": index, "delta": delta,
+                             "logprobs": chat_logprobs(state, out.new_token_ids, out.new_logprobs),
+                             "finish_reason": finish, "stop_reason": out.stop_reason if finish else None},
+                            running_usage)
+            else:
+                at = text_offsets.get(index, 0)
+                text_offsets[index] = at + len(out.new_text)
+                yield chunk({"index": index, "text": out.new_text,
+                             "logprobs": completion_logprobs(state, out.new_token_ids, out.new_logprobs, at),
+                             "finish_reason": finish, "stop_reason": out.stop_reason if finish else None},
+                            running_usage)
+    except EngineStepError as e:
+        # the status line is long gone: report the failure in the stream, as vLLM does
+        yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
+    if with_usage:
+        yield _sse({**base, "choices": [], "usage": usage(job, num_tokens)})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,129 @@
+"""`iterserve serve`: the OpenAI-compatible HTTP server (uvicorn), with graceful drain on SIGTERM.
+
+SIGTERM does not stop uvicorn at once: readiness fails, new requests get 503 (the socket stays open,
+so a client that still reaches the pod gets an answer, not a refused connection), and the requests in
+flight run to completion; when none is left, or --drain-timeout seconds have passed, the server shuts
+down and the process exits 0. A second SIGTERM, or SIGINT, stops at once (uvicorn's behaviour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("iterserve.server")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server",
+                       description="Serve a model over an OpenAI-compatible HTTP API with Prometheus metrics.")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model path's last part)")
+    p.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: env ITERSERVE_API_KEY)")
+    p.add_argument("--admin-token", default=os.environ.get("ITERSERVE_ADMIN_TOKEN"),
+                   help="token for /admin/scheduler (default: env ITERSERVE_ADMIN_TOKEN; unset: admin off)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="answer 429 while this many requests wait (default: no limit)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def served_model_name(model: str | None, override: str | None) -> str:
+    if override:
+        return override
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(model))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _validate(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise InvalidRequestError("port", f"must be in [0, 65535], got {args.port}")
+    if args.max_queue is not None and args.max_queue < 1:
+        raise InvalidRequestError("max_queue", f"must be >= 1, got {args.max_queue}")
+    if not args.drain_timeout >= 0:
+        raise InvalidRequestError("drain_timeout", f"must be >= 0, got {args.drain_timeout}")
+    for name in ("api_key", "admin_token"):
+        if getattr(args, name) == "":
+            raise InvalidRequestError(name, "must not be empty")
+
+
+def build_server_state(engine, model_name: str, *, max_queue: int | None = None, api_key: str | None = None,
+                       admin_token: str | None = None):
+    """The engine loop, metrics and shared state of one server (also used by the tests)."""
+    from iterserve.server.api.metrics import Metrics
+    from iterserve.server.api.serving import ServerState
+    from iterserve.server.engine.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine(engine)
+    state = ServerState(async_engine, model_name, max_queue=max_queue, api_key=api_key, admin_token=admin_token)
+    state.metrics = Metrics(async_engine, model_name)
+    return state
+
+
+def make_uvicorn_server(app, state, *, host: str, port: int, drain_timeout: float, log_level: str = "info"):
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM and not state.draining:
+                # not recorded as a captured signal: uvicorn would re-raise it on exit (status -15)
+                state.begin_drain()
+                logger.info("SIGTERM: draining %d in-flight requests (at most %.0f s)",
+                            state.engine.num_in_flight, drain_timeout)
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if state.draining and not self.should_exit:
+                idle = state.engine.num_in_flight == 0
+                if idle or time.monotonic() - state.drain_started >= drain_timeout:
+                    if not idle:
+                        logger.warning("drain timeout: %d requests still in flight", state.engine.num_in_flight)
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            access_log=False, lifespan="off")
+    return DrainingServer(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        _validate(args)
+        config = engine_config_from_args(args)
+        from iterserve.server.engine.llm_engine import LLMEngine  # imports torch: only once args are good
+
+        engine = LLMEngine.from_config(config)
+    except (InvalidRequestError, FileNotFoundError, ValueError) as e:
+        print(f"iterserve serve: error: {e}", file=sys.stderr)
+        return 2
+    from iterserve.server.api.app import create_app
+
+    state = build_server_state(engine, served_model_name(args.model, args.served_model_name),
+                               max_queue=args.max_queue, api_key=args.api_key, admin_token=args.admin_token)
+    state.engine.start()
+    server = make_uvicorn_server(create_app(state), state, host=args.host, port=args.port,
+                                 drain_timeout=args.drain_timeout, log_level=args.log_level)
+    logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
+    try:
+        server.run()
+    finally:
+        state.engine.shutdown()
+    return 0

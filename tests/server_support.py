@@ -1,0 +1,127 @@
+"""Helpers for the server tests: a tokenizer for the tiny random models, and real servers to talk to.
+
+`InProcessServer` runs the real app under uvicorn in a thread (no signal handling: the engine and the
+HTTP stack are the production ones); `start_subprocess` runs `iterserve serve` itself, for SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from iterserve.server.config import EngineConfig
+from iterserve.server.engine.engine_factory import build_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def add_tiny_tokenizer(src_model_dir: str, dst_dir: Path, vocab_size: int = 320) -> str:
+    """Copy a tiny model and give it a byte-level tokenizer covering its whole vocabulary: ids 0-255
+    are the bytes, then <|im_start|>, <|im_end|> and filler special tokens up to vocab_size, so any id
+    the random model samples decodes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    shutil.copytree(src_model_dir, dst_dir, dirs_exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|im_start|>", "<|im_end|>"] + [f"<|extra_{i}|>" for i in range(vocab_size - 258)]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    assert tok.get_vocab_size() == vocab_size
+    tok.save(str(dst_dir / "tokenizer.json"))
+    (dst_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TINY_CHAT_TEMPLATE}))
+    return str(dst_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    def __init__(self, model: str | None, *, model_name: str = "test-model", max_queue=None, api_key=None,
+                 admin_token=None, **engine_options):
+        from iterserve.server.api.app import create_app
+        from iterserve.server.entrypoints.serve_cmd import build_server_state, make_uvicorn_server
+
+        engine_options.setdefault("kv_cache_memory", "8MiB")
+        self.engine = build_engine(EngineConfig(model=model, **engine_options))
+        self.state = build_server_state(self.engine, model_name, max_queue=max_queue, api_key=api_key,
+                                        admin_token=admin_token)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = make_uvicorn_server(create_app(self.state), self.state, host="127.0.0.1", port=self.port,
+                                          drain_timeout=10, log_level="warning")
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "InProcessServer":
+        self.state.engine.start()
+        self._thread.start()
+        wait_ready(self.url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(15)
+        self.state.engine.shutdown()
+
+
+def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def start_subprocess(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc=proc)
+    except BaseException:
+        proc.kill()
+        print(proc.communicate()[0])
+        raise
+    return proc, url
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """The value of one sample in Prometheus text (summed over series matching `labels`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+                found = True
+    if not found:
+        raise KeyError(name)
+    return total
