@@ -1,0 +1,121 @@
+"""/admin/scheduler: the token guard, refusals that leave the engine unchanged, logged changes, and a
+knob change under load that alters the batch without changing any greedy output."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+
+from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value
+
+MODEL = "test-model"
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_llama, tmp_path_factory):
+    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    with InProcessServer(tiny_dir, model_name=MODEL, api_key="user-key", admin_token="admin-secret",
+                         max_num_seqs=2, kv_cache_memory="16MiB") as srv:
+        yield srv
+
+
+def knobs(srv) -> dict:
+    return srv.engine.knobs.value.as_dict()
+
+
+def test_admin_needs_its_own_token(server):
+    url = server.url + "/admin/scheduler"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer user-key"}).status_code == 401  # API key is not enough
+    assert httpx.patch(url, json={"max_num_seqs": 9}).status_code == 401
+    assert httpx.patch(url, json={"max_num_seqs": 9}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert knobs(server)["max_num_seqs"] == 2
+    body = httpx.get(url, headers=ADMIN).json()
+    assert body["knobs"] == knobs(server)
+    assert set(body["ranges"]) == {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"}
+    # the admin token does not open the model API
+    assert httpx.get(server.url + "/v1/models", headers=ADMIN).status_code == 401
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_seqs": -3}, "max_num_seqs"),
+    ({"max_num_seqs": "8"}, "max_num_seqs"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs"),
+    ({"prefill_chunk_size": 10**12}, "prefill_chunk_size"),
+    ({"max_num_seqs": 4, "prefill_chunk_size": 0}, "prefill_chunk_size"),  # nothing of it applies
+    ({"block_size": 32}, "block_size"),
+    ({}, None),
+])
+def test_refused_patch_leaves_engine_unchanged(server, patch, param):
+    before = (knobs(server), server.engine.knobs.num_changes)
+    r = httpx.patch(server.url + "/admin/scheduler", json=patch, headers=ADMIN)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert (knobs(server), server.engine.knobs.num_changes) == before
+
+
+def test_patch_is_logged_with_old_and_new(server, caplog):
+    with caplog.at_level(logging.INFO, logger="iterserve.admin"):
+        r = httpx.patch(server.url + "/admin/scheduler", json={"max_num_batched_tokens": 300}, headers=ADMIN)
+    assert r.status_code == 200
+    assert r.json()["changed"] == {"max_num_batched_tokens": {"old": 512, "new": 300}}
+    assert "max_num_batched_tokens 512 -> 300" in caplog.text
+    httpx.patch(server.url + "/admin/scheduler", json={"max_num_batched_tokens": 512}, headers=ADMIN)
+
+
+def _run_batch(srv, patch: dict | None) -> list[list[str]]:
+    """12 concurrent greedy requests; with `patch`, the knobs change once the first tokens are out."""
+    headers = {"Authorization": "Bearer user-key"}
+
+    async def one(client, i):
+        body = {"model": MODEL, "prompt": list(range(1, 5 + 7 * i)), "max_tokens": 48, "temperature": 0,
+                "ignore_eos": True, "logprobs": 1}
+        r = await client.post(srv.url + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(12)]
+            if patch:
+                while srv.engine.stats.num_generated_tokens < 10:
+                    await asyncio.sleep(0.005)
+                r = await client.patch(srv.url + "/admin/scheduler", json=patch, headers=ADMIN)
+                assert r.status_code == 200
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(main())
+
+
+def test_patch_under_load_changes_batch_not_outputs(server):
+    def wide_steps(text):  # steps in which more than 2 requests produced a token
+        total = metric_value(text, "iterserve:step_sampled_requests_count")
+        return total - metric_value(text, "iterserve:step_sampled_requests_bucket", le="2.0")
+
+    baseline = _run_batch(server, None)
+    m0 = httpx.get(server.url + "/metrics").text
+    assert wide_steps(m0) == 0  # max_num_seqs=2 held throughout
+    changed = _run_batch(server, {"max_num_seqs": 12, "prefill_chunk_size": 8, "max_num_batched_tokens": 64})
+    m1 = httpx.get(server.url + "/metrics").text
+    assert changed == baseline  # nothing dropped, nothing corrupted
+    assert wide_steps(m1) > 0  # the next steps batched more requests
+    assert metric_value(m1, "iterserve:max_num_seqs") == 12
+    assert metric_value(m1, "iterserve:prefill_chunk_size") == 8
+    assert metric_value(m1, "iterserve:knob_changes_total") >= 1
+    httpx.patch(server.url + "/admin/scheduler", headers=ADMIN,
+                json={"max_num_seqs": 2, "prefill_chunk_size": 256, "max_num_batched_tokens": 512})
+
+
+def test_admin_disabled_without_token(tiny_dir):
+    with InProcessServer(tiny_dir, model_name=MODEL) as srv:
+        r = httpx.get(srv.url + "/admin/scheduler")
+        assert r.status_code == 401 and "--admin-token" in r.json()["error"]["message"]
