@@ -267,3 +267,36 @@ def test_failing_step_fails_its_requests_not_the_server(server):
     assert _send(server.url, "/v1/completions", _VALID).status_code == 200
     wait_idle(server.url)
     assert metric_value(metrics(server.url), "iterserve:engine_step_failures_total") >= 2
+
+
+@pytest.mark.slow
+def test_default_model_200_streams_then_200_cut():
+    """The issue's load check on the bundled model: 200 concurrent streams all complete; 200 streams cut
+    by their clients leave no KV block held and nothing running or waiting."""
+    with InProcessServer(None, model_name="smol", kv_cache_memory="256MiB", max_model_len=512) as srv:
+        async def full(client, i):
+            stream = await client.chat.completions.create(
+                model="smol", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4,
+                stream=True, stream_options={"include_usage": True})
+            chunks = [c async for c in stream]
+            assert chunks[-1].usage.completion_tokens >= 1
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+
+        async def cut(client, i):
+            stream = await client.completions.create(model="smol", prompt=f"Story number {i}:", max_tokens=200,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            async for _ in stream:
+                break
+            await stream.close()
+
+        async def main(fn):
+            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                                        http_client=openai.DefaultAsyncHttpxClient(
+                                            limits=httpx.Limits(max_connections=250), timeout=300))
+            await asyncio.gather(*(fn(client, i) for i in range(200)))
+            await client.close()
+
+        asyncio.run(main(full))
+        asyncio.run(main(cut))
+        wait_idle(srv.url, timeout=60)
+        assert srv.state.engine.num_in_flight == 0

@@ -118,10 +118,11 @@ async def _until_disconnect(request: Request, work):
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # the client went away (or this handler was cancelled)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return None
+    if task.cancelled():
+        return None
     try:
         return task.result()
     except EngineStepError as e:

@@ -82,7 +82,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
         elif param is None:
-            message = "the request body must be a JSON object"
+            message = f"the request body must be a JSON object ({first.get('msg', 'invalid body')})"
         else:
             message = f"{param}: {first.get('msg', 'invalid value')}"
             if len(errors) > 1:
