@@ -83,6 +83,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
         elif param is None:
             message = f"the request body must be a JSON object ({first.get('msg', 'invalid body')})"
+            if "json" not in request.headers.get("content-type", "json"):
+                message += "; send it with Content-Type: application/json"
         else:
             message = f"{param}: {first.get('msg', 'invalid value')}"
             if len(errors) > 1:
