@@ -56,7 +56,7 @@ def free_port() -> int:
 
 class InProcessServer:
     def __init__(self, model: str | None, *, model_name: str = "test-model", max_queue=None, api_key=None,
-                 admin_token=None, **engine_options):
+                 admin_token=None, drain_timeout: float = 10.0, **engine_options):
         from iterserve.server.api.app import create_app
         from iterserve.server.entrypoints.serve_cmd import build_server_state, make_uvicorn_server
 
@@ -67,7 +67,7 @@ class InProcessServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_uvicorn_server(create_app(self.state), self.state, host="127.0.0.1", port=self.port,
-                                          drain_timeout=10, log_level="warning")
+                                          drain_timeout=drain_timeout, log_level="warning")
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "InProcessServer":

@@ -99,6 +99,7 @@ MALFORMED: list[tuple[str, object]] = [
     ("deep nesting", {**_VALID, "prompt": [[[[1]]]]}),
     ("model number", {**_VALID, "model": 7}),
     ("prompt too long", {**_VALID, "prompt": [1] * 600}),
+    ("too many completions", {**_VALID, "prompt": ["a"] * 100, "n": 20}),
 ]
 MALFORMED_CHAT: list[tuple[str, object]] = [
     ("no messages", {"model": MODEL}),
@@ -233,6 +234,26 @@ def test_queue_full_is_429_and_draining_is_503(tiny_dir):
         asyncio.run(main())
         srv._thread.join(10)  # with nothing left in flight, the drain ends the server
         assert not srv._thread.is_alive()
+
+
+def test_drain_timeout_bounds_shutdown(tiny_dir):
+    with InProcessServer(tiny_dir, model_name=MODEL, max_num_seqs=1, drain_timeout=0.5) as srv:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                tasks = [asyncio.create_task(client.post(srv.url + "/v1/completions", json=LONG)) for _ in range(8)]
+                while srv.engine.stats.num_generated_tokens < 5:
+                    await asyncio.sleep(0.01)
+                srv.state.begin_drain()
+                t0 = time.monotonic()
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                return time.monotonic() - t0, results
+        took, results = asyncio.run(main())
+        srv._thread.join(10)
+        assert not srv._thread.is_alive()
+        # 8 x 400 tokens one at a time take far longer than the 0.5 s the drain allowed
+        assert took < 4, took
+        codes = [r.status_code for r in results]
+        assert 503 in codes and set(codes) <= {200, 503}, codes  # cut requests are answered, not dropped
 
 
 class _FailOnToken:

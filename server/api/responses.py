@@ -12,7 +12,7 @@ import json
 from collections.abc import AsyncIterator
 
 from iterserve.server.api.serving import Job, ServerState, merged_outputs
-from iterserve.server.engine.async_engine import EngineStepError
+from iterserve.server.engine.async_engine import EngineStepError, EngineStoppedError
 from iterserve.server.engine.output_processor import RequestOutput
 
 
@@ -121,9 +121,11 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
                              "logprobs": completion_logprobs(state, out.new_token_ids, out.new_logprobs, at),
                              "finish_reason": finish, "stop_reason": out.stop_reason if finish else None},
                             running_usage)
-    except EngineStepError as e:
+    except (EngineStepError, EngineStoppedError) as e:
         # the status line is long gone: report the failure in the stream, as vLLM does
-        yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
+        code = 500 if isinstance(e, EngineStepError) else 503
+        yield _sse({"error": {"message": str(e), "type": "internal_error" if code == 500 else "service_unavailable",
+                              "param": None, "code": code}})
     if with_usage:
         yield _sse({**base, "choices": [], "usage": usage(job, num_tokens)})
     yield "data: [DONE]\n\n"

@@ -21,6 +21,7 @@ from iterserve.server.engine.output_processor import RequestOutput
 from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
 GREEDY_BELOW = 1e-5  # vLLM's threshold: a temperature this small is greedy decoding
+MAX_CHOICES = 1024  # prompts x n of one HTTP request: more is a batch job, not one request
 
 
 @dataclass
@@ -129,6 +130,9 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: list[list[int]],
               max_tokens: int | None, *, default_max_tokens: int | None, want_logprobs: bool) -> Job:
     engine = state.engine.engine
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(400, f"{prompt_param}: {len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} "
+                       f"completions; at most {MAX_CHOICES} per request", param=prompt_param)
     max_len = engine.max_model_len
     job_id = f"{prefix}-{uuid.uuid4().hex}"
     choices = []

@@ -143,6 +143,15 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             self._wake.set()
 
+    def abort_all(self, reason: str) -> int:
+        """Fail every request in flight with EngineStoppedError(reason) and abort it in the engine
+        (the end of a drain that ran out of time). Returns how many there were."""
+        failed = self._fail_all(EngineStoppedError(reason))
+        for request_id in failed:
+            self.engine.abort_request(request_id)
+        self._wake.set()
+        return len(failed)
+
     def update_knobs(self, **changes: int):
         """Validate and apply a knob change as a whole (the engine applies it at the next step)."""
         return self.engine.update_knobs(**changes)

@@ -93,7 +93,10 @@ def make_uvicorn_server(app, state, *, host: str, port: int, drain_timeout: floa
                 idle = state.engine.num_in_flight == 0
                 if idle or time.monotonic() - state.drain_started >= drain_timeout:
                     if not idle:
-                        logger.warning("drain timeout: %d requests still in flight", state.engine.num_in_flight)
+                        # answer them (503) rather than leave uvicorn to cut their connections
+                        n = state.engine.abort_all("the server shut down before this request finished "
+                                                   f"(drain timeout {drain_timeout:g} s)")
+                        logger.warning("drain timeout: %d requests still in flight were aborted", n)
                     self.should_exit = True
             return await super().on_tick(counter)
 
