@@ -8,6 +8,7 @@ the bundled SmolLM2 serves where the text must make sense.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -166,7 +167,13 @@ def test_default_model_chat():
         assert "Paris" in r.choices[0].message.content
         stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=24, temperature=0,
                                                 stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+        arrivals = []
+        for c in stream:
+            arrivals.append((time.monotonic(), c.choices[0].delta.content or "" if c.choices else ""))
+        assert "".join(t for _, t in arrivals) == r.choices[0].message.content
+        # tokens flush as steps produce them: chunks arrive spread out, not in one burst at the end
+        gaps = [b[0] - a[0] for a, b in zip(arrivals[1:], arrivals[2:])]
+        assert sum(g > 0.002 for g in gaps) >= len(gaps) // 2, gaps
         stopped = client.chat.completions.create(model="smol", messages=messages, max_tokens=24, temperature=0,
                                                  stop=["Paris"])
         assert "Paris" not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
