@@ -168,3 +168,11 @@ def test_live_knob_change_is_validated_whole(tiny_llama):
     with pytest.raises(InvalidRequestError):
         engine.update_knobs(max_num_sequences=3)
     assert engine.update_knobs(max_num_seqs=8).max_num_seqs == 8 and engine.knobs.num_changes == 1
+
+
+def test_tiny_temperature_is_greedy_not_nan(tiny_llama):
+    engine = make_engine(tiny_llama[0])
+    greedy = engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    tiny = engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True))
+    outs = drain(engine)
+    assert outs[tiny][-1].token_ids == outs[greedy][-1].token_ids

@@ -20,7 +20,6 @@ from iterserve.server.engine.async_engine import AsyncEngine
 from iterserve.server.engine.output_processor import RequestOutput
 from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
-GREEDY_BELOW = 1e-5  # vLLM's threshold: a temperature this small is greedy decoding
 MAX_CHOICES = 1024  # prompts x n of one HTTP request: more is a batch job, not one request
 
 
@@ -103,7 +102,9 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _make_job(state, req, "chatcmpl", "messages", [tokenizer.encode(text)], max_tokens,
+    # the template already writes any BOS it wants: adding special tokens again would double it
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return _make_job(state, req, "chatcmpl", "messages", [ids], max_tokens,
                      default_max_tokens=None, want_logprobs=req.logprobs)
 
 
@@ -172,7 +173,7 @@ def _sampling_params(req, max_tokens: int, i: int, want_logprobs: bool) -> Sampl
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            temperature=temperature,
             top_p=1.0 if req.top_p is None else float(req.top_p),
             top_k=-1 if not req.top_k else req.top_k,
             seed=seed,

@@ -14,10 +14,13 @@ class InvalidRequestError(ValueError):
         self.message = message
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below GREEDY_BELOW (0 included) means greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = -1  # -1 or 0 disables
     seed: int | None = None  # a seeded request samples the same tokens whatever else is batched with it
@@ -36,7 +39,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # vLLM's threshold; dividing logits by a smaller temperature overflows to inf/NaN
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)

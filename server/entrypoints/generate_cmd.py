@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
         llm = LLM(config=config)
         prompts = [item["prompt"] for item in items]
         if args.chat:
-            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-        outputs = llm.generate(prompts, params, use_tqdm=args.progress)
+            ids = [llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in prompts]
+            outputs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=args.progress)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=args.progress)
     except (InvalidRequestError, FileNotFoundError, ValueError) as e:
         print(f"iterserve generate: error: {e}", file=sys.stderr)
         return 2

@@ -56,8 +56,13 @@ class LLM:
         if self.tokenizer is None:
             raise InvalidRequestError("messages", "this model has no tokenizer and so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompt_token_ids=[self.chat_prompt_ids(c) for c in conversations],
+                             sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template already writes any BOS it wants: adding special tokens again would double it
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)
