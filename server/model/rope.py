@@ -102,13 +102,14 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = (emb.cos() * scaling).to(self.cos_cache.device)
         self.sin_cache = (emb.sin() * scaling).to(self.sin_cache.device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x: [num_tokens, heads, head_dim], token i at positions[i]."""
         if positions is not self._last_positions:
-            cos = self.cos_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
-            sin = self.sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
+            cos = self.cos_cache.index_select(0, positions).to(x.dtype).unsqueeze(1)
+            sin = self.sin_cache.index_select(0, positions).to(x.dtype).unsqueeze(1)
             self._last_positions, self._last_cos_sin = positions, (cos, sin)
         cos, sin = self._last_cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
