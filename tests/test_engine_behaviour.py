@@ -53,6 +53,20 @@ def test_top_k_one_is_greedy_and_logprobs_are_reported(tiny_llama):
     assert outs[top1][-1].logprobs is None
 
 
+def test_top_logprobs_are_the_most_likely_tokens(tiny_llama):
+    engine = make_engine(tiny_llama[0])
+    rid = engine.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, top_logprobs=4))
+    out = drain(engine)[rid][-1]
+    assert len(out.top_logprobs) == 5
+    for token, chosen, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        values = [v for _, v in top]
+        assert len(top) == 4 and values == sorted(values, reverse=True)
+        assert top[0] == (token, chosen)  # greedy picks the most likely token
+    with pytest.raises(InvalidRequestError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21)
+
+
 def test_stop_token_ids_eos_and_max_model_len(tiny_llama):
     path, _ = tiny_llama
     engine = make_engine(path, max_model_len=20)

@@ -79,12 +79,19 @@ def test_stop_string_cuts_text(client):
 
 
 def test_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0, logprobs=1)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # greedy: the chosen token is the most likely, and the alternatives are no more likely
+        assert 1 <= len(top) <= 3 and top[token] == chosen == max(top.values())
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
-                                       logprobs=True, top_logprobs=1)
-    assert len(c.choices[0].logprobs.content) == 3
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == entry.logprob >= entry.top_logprobs[1].logprob
 
 
 def test_chat_stream_matches_non_stream_and_reports_usage(client):

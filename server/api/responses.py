@@ -30,8 +30,9 @@ def _token_texts(state: ServerState, ids: list[int]) -> list[str]:
 
 
 def completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float] | None,
-                        text_offset: int = 0) -> dict | None:
-    """Only the chosen token's logprob is computed, so top_logprobs lists that token alone."""
+                        top: list[list[tuple[int, float]]] | None, text_offset: int = 0) -> dict | None:
+    """OpenAI's legacy format: top_logprobs maps each alternative's text to its logprob; the chosen
+    token is always among them, as in vLLM."""
     if logprobs is None:
         return None
     tokens = _token_texts(state, ids)
@@ -39,17 +40,24 @@ def completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)], "text_offset": offsets}
+    tops = []
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+        alternatives = dict(zip(_token_texts(state, [a for a, _ in top[i]]), [v for _, v in top[i]])) if top else {}
+        tops.append({**alternatives, t: lp})
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float] | None) -> dict | None:
+def chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float] | None,
+                  top: list[list[tuple[int, float]]] | None) -> dict | None:
     if logprobs is None:
         return None
     content = []
-    for t, lp in zip(_token_texts(state, ids), logprobs):
-        entry = {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-        content.append({**entry, "top_logprobs": [dict(entry)]})
+    for i, (t, lp) in enumerate(zip(_token_texts(state, ids), logprobs)):
+        alternatives = []
+        if top:
+            for text, (_, value) in zip(_token_texts(state, [a for a, _ in top[i]]), top[i]):
+                alternatives.append({"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))})
+        content.append({"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": alternatives})
     return {"content": content}
 
 
@@ -59,7 +67,7 @@ def completion_body(state: ServerState, job: Job, final: dict[int, RequestOutput
         out = final[c.index]
         choices.append({
             "index": c.index, "text": out.text,
-            "logprobs": completion_logprobs(state, out.token_ids, out.logprobs),
+            "logprobs": completion_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs),
             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
         })
     return {"id": job.id, "object": "text_completion", "created": job.created, "model": state.model_name,
@@ -72,7 +80,7 @@ def chat_body(state: ServerState, job: Job, final: dict[int, RequestOutput]) -> 
         out = final[c.index]
         choices.append({
             "index": c.index, "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(state, out.token_ids, out.logprobs),
+            "logprobs": chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs),
             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
         })
     return {"id": job.id, "object": "chat.completion", "created": job.created, "model": state.model_name,
@@ -111,14 +119,16 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
             if chat:
                 delta = {"content": out.new_text} if out.new_text or not out.finished else {}
                 yield chunk({"index": index, "delta": delta,
-                             "logprobs": chat_logprobs(state, out.new_token_ids, out.new_logprobs),
+                             "logprobs": chat_logprobs(state, out.new_token_ids, out.new_logprobs,
+                                                       out.new_top_logprobs),
                              "finish_reason": finish, "stop_reason": out.stop_reason if finish else None},
                             running_usage)
             else:
                 at = text_offsets.get(index, 0)
                 text_offsets[index] = at + len(out.new_text)
                 yield chunk({"index": index, "text": out.new_text,
-                             "logprobs": completion_logprobs(state, out.new_token_ids, out.new_logprobs, at),
+                             "logprobs": completion_logprobs(state, out.new_token_ids, out.new_logprobs,
+                                                             out.new_top_logprobs, at),
                              "finish_reason": finish, "stop_reason": out.stop_reason if finish else None},
                             running_usage)
     except (EngineStepError, EngineStoppedError) as e:

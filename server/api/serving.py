@@ -86,7 +86,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Job:
     check_model(state, req.model)
     prompts = _completion_prompts(state, req.prompt)
     return _make_job(state, req, "cmpl", "prompt", prompts, req.max_tokens, default_max_tokens=16,
-                     want_logprobs=req.logprobs is not None)
+                     top_logprobs=req.logprobs)
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
@@ -105,7 +105,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
     # the template already writes any BOS it wants: adding special tokens again would double it
     ids = tokenizer.encode(text, add_special_tokens=False)
     return _make_job(state, req, "chatcmpl", "messages", [ids], max_tokens,
-                     default_max_tokens=None, want_logprobs=req.logprobs)
+                     default_max_tokens=None,
+                     top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
 
 def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
@@ -129,7 +130,9 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 
 
 def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: list[list[int]],
-              max_tokens: int | None, *, default_max_tokens: int | None, want_logprobs: bool) -> Job:
+              max_tokens: int | None, *, default_max_tokens: int | None, top_logprobs: int | None) -> Job:
+    """top_logprobs: None for no logprobs, else how many alternatives to list per token (0: none)."""
+    want_logprobs = top_logprobs is not None
     engine = state.engine.engine
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{prompt_param}: {len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} "
@@ -150,7 +153,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                            f"{len(ids) + wanted} tokens, over the context length (max_model_len) {max_len}",
                            param="max_tokens", code="context_length_exceeded")
         for i in range(req.n):
-            params = _sampling_params(req, wanted, i, want_logprobs)
+            params = _sampling_params(req, wanted, i, top_logprobs)
             choice = Choice(p_index * req.n + i, f"{job_id}-{p_index * req.n + i}", p_index, ids, params)
             try:  # validates token ids, stops, priority; queues nothing
                 engine.make_request(None, params, prompt_token_ids=ids, request_id=choice.request_id,
@@ -164,7 +167,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                continuous_usage=bool(opts and opts.continuous_usage_stats), want_logprobs=want_logprobs)
 
 
-def _sampling_params(req, max_tokens: int, i: int, want_logprobs: bool) -> SamplingParams:
+def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None) -> SamplingParams:
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     seed = req.seed
     if seed is not None and i:
@@ -180,7 +183,8 @@ def _sampling_params(req, max_tokens: int, i: int, want_logprobs: bool) -> Sampl
             stop=req.stop or [],
             stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos,
-            logprobs=want_logprobs,
+            logprobs=top_logprobs is not None,
+            top_logprobs=top_logprobs or 0,
         )
     except InvalidRequestError as e:
         raise from_invalid_request(e) from None

@@ -139,7 +139,8 @@ class LLMEngine:
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk that does not reach the end samples nothing
-            status = self.output_processor.append_token(req, sampled.token_ids[j], sampled.logprobs[j])
+            status = self.output_processor.append_token(req, sampled.token_ids[j], sampled.logprobs[j],
+                                                        sampled.top_logprobs[j])
             j += 1
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()

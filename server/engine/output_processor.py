@@ -27,6 +27,9 @@ class RequestOutput:
     stop_reason: int | str | None  # the stop token id or stop string, when one ended it
     logprobs: list[float] | None  # per output token, when asked for (final output only, like token_ids)
     new_logprobs: list[float] | None  # logprobs of new_token_ids, when asked for
+    # per token, its top_logprobs most likely (token id, logprob) pairs; full on the final output only
+    top_logprobs: list[list[tuple[int, float]]] | None
+    new_top_logprobs: list[list[tuple[int, float]]] | None
     num_preemptions: int
     arrival_time: float
     scheduled_time: float | None
@@ -63,9 +66,10 @@ class OutputProcessor:
             )
         self._states[req.request_id] = _TextState(detok, req.sampling_params.stop)
 
-    def append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestStatus | None:
+    def append_token(self, req: Request, token_id: int, logprob: float | None,
+                     top_logprobs: list[tuple[int, float]] | None = None) -> RequestStatus | None:
         """Record a sampled token; returns the finished status when it ends the request."""
-        req.append_token(token_id, logprob)
+        req.append_token(token_id, logprob, top_logprobs)
         params = req.sampling_params
         state = self._states[req.request_id]
         previous_len = len(state.text)
@@ -97,6 +101,7 @@ class OutputProcessor:
         new_ids = req.token_ids[req.num_prompt_tokens + sent :]
         state.num_sent_tokens += len(new_ids)
         want_logprobs = req.sampling_params.logprobs
+        want_top = req.sampling_params.top_logprobs > 0
         if finished:
             del self._states[req.request_id]
         return RequestOutput(
@@ -111,6 +116,8 @@ class OutputProcessor:
             stop_reason=req.stop_reason,
             logprobs=list(req.output_logprobs) if finished and want_logprobs else None,
             new_logprobs=req.output_logprobs[sent:] if want_logprobs else None,
+            top_logprobs=list(req.output_top_logprobs) if finished and want_top else None,
+            new_top_logprobs=req.output_top_logprobs[sent:] if want_top else None,
             num_preemptions=req.num_preemptions,
             arrival_time=req.arrival_time,
             scheduled_time=req.scheduled_time,

@@ -60,6 +60,8 @@ class Request:
     num_preemptions: int = 0
     # per-token logprob of each sampled token (only when sampling_params.logprobs is set)
     output_logprobs: list[float] = field(default_factory=list)
+    # per sampled token, its top (token id, logprob) alternatives (only when top_logprobs is set)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # a seeded request's own torch.Generator, created by the sampler at its first random draw
     sampling_generator: object | None = None
@@ -100,10 +102,13 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None,
+                     top_logprobs: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
 
     def __repr__(self) -> str:
         return (

@@ -15,6 +15,7 @@ class InvalidRequestError(ValueError):
 
 
 GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # return the logprob of each chosen token
+    top_logprobs: int = 0  # also return this many most likely tokens per position (0..20); implies logprobs
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -36,6 +38,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        self.logprobs = bool(self.logprobs or self.top_logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +54,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, minimum=-1)
+        _check_int("top_logprobs", self.top_logprobs, minimum=0)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63))
         for s in self.stop:

@@ -47,6 +47,6 @@ class ModelRunner:
         inputs = prepare_step_inputs(out, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sampling_requests:
-            return SamplerOutput([], [])
+            return SamplerOutput([], [], [])
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
         return sample(logits, inputs.sampling_requests)

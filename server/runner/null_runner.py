@@ -30,4 +30,4 @@ class NullModelRunner:
                         if r.num_computed_tokens + n == r.num_tokens]
         # the next token depends only on the request's own tokens, as a real model's would
         tokens = [(r.num_tokens * 31 + r.token_ids[-1]) % self.vocab_size for r in requests]
-        return SamplerOutput(tokens, [None] * len(tokens))
+        return SamplerOutput(tokens, [None] * len(tokens), [None] * len(tokens))

@@ -17,6 +17,8 @@ from iterserve.server.engine.request import Request
 class SamplerOutput:
     token_ids: list[int]  # one per sampling request, in order
     logprobs: list[float | None]  # logprob of the chosen token under the model's raw distribution
+    # the top_logprobs most likely (token id, logprob) pairs, best first, where asked for
+    top_logprobs: list[list[tuple[int, float]] | None]
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -32,13 +34,21 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     chosen = token_ids.tolist()
 
     logprobs: list[float | None] = [None] * len(requests)
+    top: list[list[tuple[int, float]] | None] = [None] * len(requests)
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if wanted:
         rows = torch.tensor(wanted)
-        lp = torch.log_softmax(logits[rows], dim=-1).gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)
+        all_lp = torch.log_softmax(logits[rows], dim=-1)
+        lp = all_lp.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)
         for i, value in zip(wanted, lp.tolist()):
             logprobs[i] = value
-    return SamplerOutput(chosen, logprobs)
+        k = max(params[i].top_logprobs for i in wanted)
+        if k:
+            values, ids = all_lp.topk(k, dim=-1)
+            for row, i in enumerate(wanted):
+                n = params[i].top_logprobs
+                top[i] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist())) if n else None
+    return SamplerOutput(chosen, logprobs, top)
 
 
 def _sample_row(row: torch.Tensor, req: Request) -> int:
