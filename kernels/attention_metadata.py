@@ -29,16 +29,19 @@ class AttentionMetadata:
 @dataclass
 class SingleQueryGroup:
     token_index: torch.Tensor  # [n] index of each request's query token in the flattened step
-    context_slots: torch.Tensor  # [n, max_context] cache slot of each context position (padding: any)
-    context_mask: torch.Tensor  # [n, 1, 1, max_context] True inside the request's context
+    # [n, max_blocks] block table of each request, padded with block 0; K/V are gathered a whole block
+    # at a time (one contiguous row per block is several times faster to copy than one per token)
+    context_blocks: torch.Tensor
+    # [n, 1, 1, max_blocks * block_size] True inside the request's context
+    context_mask: torch.Tensor
 
 
 @dataclass
 class MultiQuery:
     start: int  # index of its first query token in the flattened step
     num_query: int
-    # [context_len] cache slot of every context position, and the [num_query, context_len] causal
+    # [ceil(context_len / block_size)] the request's blocks, and the [num_query, context_len] causal
     # mask; both None when the chunk is the whole context (a fresh prefill): its own K/V then serve
     # directly, with a plain causal mask, without reading the cache back
-    context_slots: torch.Tensor | None
+    context_blocks: torch.Tensor | None
     mask: torch.Tensor | None

@@ -31,25 +31,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
 
+    k_blocks = k_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
+    v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
     for g in meta.single_groups:
-        batch, ctx = g.context_slots.shape
+        batch = g.context_blocks.shape[0]
+        ctx = g.context_mask.shape[-1]
         # One query per request: the query heads sharing a KV head become that head's rows, so GQA
         # needs no repeated K/V: [batch, kv_heads, group, head_dim] against [batch, kv_heads, ctx, dim].
         qs = q.index_select(0, g.token_index).view(batch, num_kv_heads, group, head_dim)
-        flat = g.context_slots.reshape(-1)  # index_select: several times faster than advanced indexing
-        ks = k_cache.index_select(0, flat).view(batch, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        vs = v_cache.index_select(0, flat).view(batch, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        flat = g.context_blocks.reshape(-1)  # index_select: much faster than advanced indexing
+        ks = k_blocks.index_select(0, flat).view(batch, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        vs = v_blocks.index_select(0, flat).view(batch, ctx, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.context_mask, scale=scale)
         out.index_copy_(0, g.token_index, o.reshape(batch, num_heads, head_dim))
 
     for mq in meta.multi:
         qm = q[mq.start : mq.start + mq.num_query].transpose(0, 1)  # [heads, n, dim]
-        if mq.context_slots is None:
+        if mq.context_blocks is None:
             km = k[mq.start : mq.start + mq.num_query]
             vm = v[mq.start : mq.start + mq.num_query]
         else:
-            km = k_cache.index_select(0, mq.context_slots)
-            vm = v_cache.index_select(0, mq.context_slots)
+            ctx = mq.mask.shape[-1]
+            km = k_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+            vm = v_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
         km = km.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, ctx, dim]
         vm = vm.transpose(0, 1).repeat_interleave(group, dim=0)
         o = F.scaled_dot_product_attention(

@@ -39,12 +39,6 @@ def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
     return padded
 
 
-def context_slots(padded_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> np.ndarray:
-    """[rows, max(context_lens)] cache slot of each context position (past a row's end: garbage, masked)."""
-    pos = np.arange(int(context_lens.max()))
-    return np.ascontiguousarray(padded_tables[:, pos // block_size] * block_size + pos % block_size)
-
-
 # Single-query requests are split into at most this many groups of similar context length, and a
 # group is never smaller than _MIN_GROUP: more groups cut padding but add per-layer op overhead.
 _MAX_GROUPS = 4
@@ -86,11 +80,12 @@ def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.dev
     single_groups = []
     for group in _groups_by_context(np.flatnonzero(num_new == 1), ends):
         ctx = ends[group]
-        slots_g = context_slots(tables[group], ctx, bs)
-        mask = np.arange(slots_g.shape[1])[None, :] < ctx[:, None]
+        num_blocks = -(-int(ctx.max()) // bs)
+        blocks = np.ascontiguousarray(tables[group, :num_blocks])
+        mask = np.arange(num_blocks * bs)[None, :] < ctx[:, None]
         single_groups.append(SingleQueryGroup(
             token_index=torch.from_numpy(starts[group]).to(device),
-            context_slots=torch.from_numpy(slots_g).to(device),
+            context_blocks=torch.from_numpy(blocks).to(device),
             context_mask=torch.from_numpy(mask).to(device)[:, None, None, :],
         ))
 
@@ -100,10 +95,10 @@ def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.dev
         if c == 0:
             multi_queries.append(MultiQuery(start, n, None, None))
             continue
-        ctx_slots = context_slots(tables[i : i + 1], np.asarray([c + n]), bs)[0]
+        blocks = np.ascontiguousarray(tables[i, : -(-(c + n) // bs)])
         mask = np.arange(c + n)[None, :] <= (c + np.arange(n))[:, None]
         multi_queries.append(
-            MultiQuery(start, n, torch.from_numpy(ctx_slots).to(device), torch.from_numpy(mask).to(device))
+            MultiQuery(start, n, torch.from_numpy(blocks).to(device), torch.from_numpy(mask).to(device))
         )
 
     meta = AttentionMetadata(
