@@ -6,6 +6,7 @@ HTTP stack are the production ones); `start_subprocess` runs `iterserve serve` i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -125,3 +126,19 @@ def metric_value(text: str, name: str, **labels) -> float:
     if not found:
         raise KeyError(name)
     return total
+
+
+def run_concurrent_clients(url: str, fn, n: int = 200, timeout: float = 120) -> None:
+    """Run `await fn(client, i)` for i in range(n) at once, over one async OpenAI client."""
+    import openai
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                    http_client=openai.DefaultAsyncHttpxClient(
+                                        limits=httpx.Limits(max_connections=n + 50), timeout=timeout))
+        try:
+            await asyncio.gather(*(fn(client, i) for i in range(n)))
+        finally:
+            await client.close()
+
+    asyncio.run(main())

@@ -120,6 +120,20 @@ def test_raw_stream_ends_with_done(server):
     assert all(e.startswith("data: ") for e in events)
 
 
+def test_stream_flushes_tokens_while_the_request_runs(server):
+    # The first tokens reach the client while the engine is still generating the rest (not in one
+    # burst at the end): after the first content chunk, the request is still counted as running.
+    stream = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0).completions.create(
+        model=MODEL, prompt="q", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices[0].text is not None
+    assert server.state.engine.snapshot()["num_running"] == 1
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert len(rest) >= 100  # tokens come in many chunks, not a few bursts
+
+
 def test_async_client_concurrent(server):
     async def main():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

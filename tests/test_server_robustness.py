@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value
+from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value, run_concurrent_clients
 
 MODEL = "test-model"
 LONG = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -178,15 +178,8 @@ def test_many_concurrent_streams_then_cut_streams(server):
             break
         await stream.close()
 
-    async def main(fn):
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                    http_client=openai.DefaultAsyncHttpxClient(
-                                        limits=httpx.Limits(max_connections=250), timeout=120))
-        await asyncio.gather(*(fn(client, i) for i in range(200)))
-        await client.close()
-
-    asyncio.run(main(full))
-    asyncio.run(main(cut))
+    run_concurrent_clients(server.url, full)
+    run_concurrent_clients(server.url, cut)
     wait_idle(server.url)
 
 
@@ -310,14 +303,7 @@ def test_default_model_200_streams_then_200_cut():
                 break
             await stream.close()
 
-        async def main(fn):
-            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
-                                        http_client=openai.DefaultAsyncHttpxClient(
-                                            limits=httpx.Limits(max_connections=250), timeout=300))
-            await asyncio.gather(*(fn(client, i) for i in range(200)))
-            await client.close()
-
-        asyncio.run(main(full))
-        asyncio.run(main(cut))
+        run_concurrent_clients(srv.url, full, timeout=300)
+        run_concurrent_clients(srv.url, cut, timeout=300)
         wait_idle(srv.url, timeout=60)
         assert srv.state.engine.num_in_flight == 0

@@ -9,7 +9,6 @@ effect at the next step.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -21,8 +20,6 @@ from iterserve.server.engine.output_processor import OutputProcessor, RequestOut
 from iterserve.server.engine.request import Request
 from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.engine.scheduler import Scheduler, SchedulerOutput
-
-logger = logging.getLogger("iterserve.engine")
 
 
 @dataclass
