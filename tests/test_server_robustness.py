@@ -207,10 +207,18 @@ def test_queue_full_is_429_and_draining_is_503(tiny_dir):
     with InProcessServer(tiny_dir, model_name=MODEL, max_queue=1, max_num_seqs=1) as srv:
         async def main():
             async with httpx.AsyncClient(timeout=60) as client:
+                async def until(key: str) -> None:
+                    deadline = time.monotonic() + 30
+                    while srv.state.engine.snapshot()[key] < 1:
+                        assert time.monotonic() < deadline, f"no request became {key}"
+                        await asyncio.sleep(0.01)
+
+                # one after the other: sent together, the second could find the first still queued
+                # (not yet running) and be refused with 429 itself
                 running = asyncio.create_task(client.post(srv.url + "/v1/completions", json=LONG))
+                await until("num_running")
                 waiting = asyncio.create_task(client.post(srv.url + "/v1/completions", json=LONG))
-                while srv.state.engine.snapshot()["num_waiting"] < 1:
-                    await asyncio.sleep(0.02)
+                await until("num_waiting")
                 full = await client.post(srv.url + "/v1/completions", json=LONG)
                 assert full.status_code == 429 and full.headers["retry-after"]
                 assert full.json()["error"]["code"] == "queue_full"
