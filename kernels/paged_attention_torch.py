@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the CPU path, and the reference the Triton kernels are tested against.
 
 K/V live in a flat slot-indexed cache per layer, [num_blocks * block_size, num_kv_heads, head_dim];
-a request's context is gathered through its block table (precomputed as slot indices per step).
+a request's context is gathered through its block table, one whole block (a contiguous row of the
+cache viewed as [num_blocks, block_size * num_kv_heads * head_dim]) per index.
 """
 
 from __future__ import annotations

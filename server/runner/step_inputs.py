@@ -1,7 +1,7 @@
 """Turn a SchedulerOutput into the flat tensors of one forward pass.
 
 This runs on the CPU every step, so it loops over requests once in Python and does the per-position
-work (context slot tables, masks) vectorized in numpy.
+work (positions, write slots, padded block tables, masks) vectorized in numpy.
 """
 
 from __future__ import annotations
