@@ -1,0 +1,1 @@
+"""SLO-driven live tuning: observe pods' metrics, decide knob changes (pure), apply them over HTTP."""

@@ -1,0 +1,1 @@
+"""`iterserve bench`: load generator and latency report for any OpenAI-compatible server."""
