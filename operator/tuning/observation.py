@@ -1,0 +1,72 @@
+"""`Observation`: what one sliding window of a service's pods measured, whichever source read it
+(pods' /metrics directly, or Prometheus), and the metric names both sources read (docs/metrics.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+HISTOGRAMS = (TTFT, ITL, QUEUE_TIME)
+
+REQUESTS = "vllm:request_success_total"  # every finished request, summed over finished_reason
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
+STEP_FAILURES = "iterserve:engine_step_failures_total"  # each failed step answered its requests with a 500
+COUNTERS = (REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, PREEMPTIONS, STEP_FAILURES)
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+GAUGES = (WAITING, RUNNING, KV_USAGE)
+
+
+@dataclass(frozen=True)
+class Observation:
+    start: float  # the window, in the tuner's clock (seconds)
+    end: float
+    num_pods: int  # pods that contributed
+    num_samples: int  # first tokens (TTFT observations) in the window: what min_samples counts
+    ttft_p99_s: float | None  # None: no observation in the window
+    itl_p99_s: float | None
+    request_rate: float  # finished requests per second, all pods
+    prompt_token_rate: float
+    generation_token_rate: float
+    waiting: float  # time-average of requests waiting, summed over pods
+    running: float  # time-average of requests running, summed over pods
+    queue_time_mean_s: float | None  # mean arrival-to-admission time of finished requests
+    kv_usage: float  # highest per-pod average KV usage (0..1): pressure on any pod counts
+    preemption_rate: float  # preemptions per second, all pods
+    error_rate: float  # failed engine steps per second, all pods
+    errors: tuple[str, ...] = ()  # pods that could not be read, with why
+
+    @classmethod
+    def empty(cls, now: float, errors: Sequence[str] = ()) -> "Observation":
+        """A window in which no pod could be read: no samples, so it decides nothing."""
+        return cls(start=now, end=now, num_pods=0, num_samples=0, ttft_p99_s=None, itl_p99_s=None,
+                   request_rate=0.0, prompt_token_rate=0.0, generation_token_rate=0.0, waiting=0.0, running=0.0,
+                   queue_time_mean_s=None, kv_usage=0.0, preemption_rate=0.0, error_rate=0.0, errors=tuple(errors))
+
+    @property
+    def window_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def queued(self) -> float:
+        """Mean requests waiting: the gauge's average, or by Little's law (arrival rate x mean queue time)
+        when that says more; the law holds between scrapes, where a gauge read twice can miss a queue."""
+        little = self.request_rate * self.queue_time_mean_s if self.queue_time_mean_s is not None else 0.0
+        return max(self.waiting, little)
+
+
+class MetricsSource(Protocol):
+    def observe(self, pod_urls: Sequence[str], now: float, window_s: float,
+                since: float | None = None) -> Observation | None:
+        """The window ending at `now`, `window_s` long but never reaching back to `since` (the last knob
+        change) or before; None when nothing could be read."""
+
+    def snapshot(self, pod_urls: Sequence[str], now: float) -> None:
+        """Called right after a change: a source that keeps its own history records a starting point."""

@@ -1,0 +1,207 @@
+"""decide() on tables of observation sequences: each row feeds windows one interval apart and checks the
+action taken on each, the knobs after it and the Tuned verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from iterserve.operator.tuning.decide import (
+    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK, TunerState, decide,
+)
+from iterserve.operator.tuning.knobs import Knobs
+from iterserve.operator.tuning.observation import Observation
+from iterserve.operator.tuning.policy import InvalidPolicyError, TuningPolicy
+
+POLICY = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, max_num_seqs_bounds=(2, 32),
+                      prefill_chunk_size_bounds=(32, 512), interval_s=10, window_s=10, cooldown_s=10,
+                      min_samples=20, seqs_step=2, retry_after_s=100)
+START = Knobs(max_num_seqs=8, max_num_batched_tokens=512, prefill_chunk_size=128)
+
+
+def window(ttft=500, itl=50, n=100, kv=0.3, waiting=0.0, preempt=0.0, errors=0.0) -> Observation:
+    """One window's figures in ms, with its sample count and load signals."""
+    return Observation(start=0, end=10, num_pods=1, num_samples=n, ttft_p99_s=ttft / 1000, itl_p99_s=itl / 1000,
+                       request_rate=5, prompt_token_rate=100, generation_token_rate=200, waiting=waiting, running=4,
+                       queue_time_mean_s=None, kv_usage=kv, preemption_rate=preempt, error_rate=errors)
+
+
+GOOD_BUSY = window(ttft=500, itl=50, waiting=3)  # both p99s well under SLO, requests queue
+GOOD_IDLE = window(ttft=500, itl=50)  # nothing waits
+BAND = window(ttft=900, itl=60, waiting=3)  # met, but TTFT within the 20% headroom
+BOTH_OVER = window(ttft=1300, itl=120, waiting=3)
+SEVERE = window(ttft=3000, itl=400, waiting=3)
+ITL_OVER = window(ttft=300, itl=130)  # decode stalls while first tokens come early
+TTFT_OVER_QUEUED = window(ttft=1300, itl=40, waiting=4)
+TTFT_OVER_NO_QUEUE = window(ttft=1300, itl=40)
+
+
+def run(windows, policy=POLICY, state=None, start_time=0.0, step=10.0):
+    state = state or TunerState(START)
+    decisions = []
+    for i, obs in enumerate(windows):
+        d = decide(state, obs, policy, start_time + i * step)
+        decisions.append(d)
+        state = d.state
+    return decisions
+
+
+def actions(decisions):
+    return [d.action for d in decisions]
+
+
+def seqs(decisions):
+    return [d.state.knobs.max_num_seqs for d in decisions]
+
+
+@pytest.mark.parametrize("name, windows, want_actions, want_seqs, want_tuned", [
+    ("steady load with headroom raises step by step", [GOOD_BUSY] * 4,
+     [RAISE_SEQS] * 4, [10, 12, 14, 16], "True"),
+    ("steady load, nothing waits: no reason to raise", [GOOD_IDLE] * 3, [HOLD] * 3, [8, 8, 8], "True"),
+    ("inside the hysteresis band nothing moves", [BAND] * 3, [HOLD] * 3, [8, 8, 8], "True"),
+    ("overload: a mild breach is confirmed, then backed off multiplicatively", [BOTH_OVER] * 3,
+     [HOLD, BACK_OFF_SEQS, BACK_OFF_SEQS], [8, 4, 2], "False"),
+    ("a severe breach is acted on at once", [SEVERE], [BACK_OFF_SEQS], [4], "False"),
+    ("KV pressure stops raising", [window(waiting=3, kv=0.95)] * 3, [HOLD] * 3, [8, 8, 8], "True"),
+    ("preemption storm backs off to the bound, then says so", [window(waiting=3, preempt=2.0)] * 4,
+     [BACK_OFF_SEQS, BACK_OFF_SEQS, HOLD, HOLD], [4, 2, 2, 2], "False"),
+    ("failed engine steps back off", [window(errors=0.5)], [BACK_OFF_SEQS], [4], "False"),
+    ("noisy windows: isolated mild breaches never act",
+     [BAND, BOTH_OVER, BAND, BOTH_OVER, GOOD_IDLE, BOTH_OVER, BAND], [HOLD] * 7, [8] * 7, "True"),
+    ("too few samples decide nothing", [window(ttft=5000, itl=900, n=5, waiting=9)] * 3, [HOLD] * 3, [8, 8, 8],
+     "Unknown"),
+    ("breach then recovery", [BOTH_OVER, BOTH_OVER, GOOD_IDLE, GOOD_IDLE], [HOLD, BACK_OFF_SEQS, HOLD, HOLD],
+     [8, 4, 4, 4], "True"),
+    ("TTFT over with a queue and ITL headroom: more seqs", [TTFT_OVER_QUEUED] * 2, [HOLD, RAISE_SEQS], [8, 10],
+     "False"),
+])
+def test_decision_table(name, windows, want_actions, want_seqs, want_tuned):
+    decisions = run(windows)
+    assert actions(decisions) == want_actions, [d.reason for d in decisions]
+    assert seqs(decisions) == want_seqs
+    assert decisions[-1].tuned.status == want_tuned
+    for d in decisions:
+        b = POLICY.max_num_seqs_bounds
+        assert b.min <= d.state.knobs.max_num_seqs <= b.max
+        assert d.reason
+
+
+def test_itl_breach_with_ttft_headroom_lowers_chunk_then_backs_off_at_its_bound():
+    d = run([ITL_OVER] * 5)
+    assert actions(d) == [HOLD, LOWER_CHUNK, LOWER_CHUNK, BACK_OFF_SEQS, BACK_OFF_SEQS]
+    assert [x.state.knobs.prefill_chunk_size for x in d] == [128, 64, 32, 32, 32]
+    assert "SLO breached" in d[1].reason and "p99 ITL 130 ms" in d[1].reason
+
+
+def test_ttft_breach_without_queue_raises_chunk_up_to_the_token_budget():
+    d = run([TTFT_OVER_NO_QUEUE] * 5)
+    assert actions(d) == [HOLD, RAISE_CHUNK, RAISE_CHUNK, HOLD, HOLD]
+    assert [x.state.knobs.prefill_chunk_size for x in d] == [128, 256, 512, 512, 512]
+    assert d[-1].tuned.status == "False" and d[-1].tuned.reason == "BoundsReached"
+    assert "raise_prefill_chunk_size" in d[-1].tuned.message
+    # a chunk above the step's token budget cannot help: the budget caps the chunk's range
+    capped = run([TTFT_OVER_NO_QUEUE] * 3, state=TunerState(START.replace(max_num_batched_tokens=200)))
+    assert [x.state.knobs.prefill_chunk_size for x in capped] == [128, 200, 200]
+
+
+def test_both_over_at_the_lower_bound_is_bounds_reached():
+    d = run([SEVERE] * 2, state=TunerState(START.replace(max_num_seqs=2)))
+    assert actions(d) == [HOLD, HOLD]
+    assert d[-1].tuned.status == "False" and d[-1].tuned.reason == "BoundsReached"
+
+
+def test_raise_that_breaks_the_slo_rolls_back_and_is_not_retried_at_once():
+    d = run([GOOD_BUSY, BOTH_OVER, GOOD_BUSY, GOOD_BUSY])
+    assert actions(d) == [RAISE_SEQS, ROLLBACK, HOLD, HOLD]
+    assert seqs(d) == [10, 8, 8, 8]
+    assert d[1].state.last_good == START
+    assert "last good" in d[1].reason
+    assert "not retried" in d[2].reason and d[2].tuned.status == "True"
+    # after retry_after_s the setting is probed again; failing twice doubles the wait
+    later = run([GOOD_BUSY, BOTH_OVER, GOOD_BUSY], state=d[-1].state, start_time=200)
+    assert actions(later) == [RAISE_SEQS, ROLLBACK, HOLD]
+    failed = {f.knobs.max_num_seqs: f for f in later[-1].state.failed}
+    assert failed[10].num_failures == 2 and failed[10].until == 210 + 2 * POLICY.retry_after_s
+
+
+def test_raise_that_brings_preemptions_rolls_back_even_in_cooldown():
+    policy = POLICY.replace(cooldown_s=60)
+    d = run([GOOD_BUSY, window(waiting=3, preempt=1.0)], policy=policy)
+    assert actions(d) == [RAISE_SEQS, ROLLBACK]
+    assert seqs(d) == [10, 8]
+
+
+def test_correction_that_makes_a_breach_worse_is_reverted():
+    # TTFT over with a queue: more seqs; the next window is worse still, so back to the setting before
+    worse = window(ttft=1600, itl=140, waiting=4)
+    d = run([TTFT_OVER_QUEUED, TTFT_OVER_QUEUED, worse, TTFT_OVER_QUEUED])
+    assert actions(d) == [HOLD, RAISE_SEQS, ROLLBACK, RAISE_CHUNK]
+    assert seqs(d) == [8, 10, 8, 8]
+    assert "setting before it" in d[2].reason
+    # a correction that helps, even without meeting the SLO yet, is kept
+    better = window(ttft=1100, itl=40, waiting=2)
+    kept = run([TTFT_OVER_QUEUED, TTFT_OVER_QUEUED, better])
+    assert actions(kept) == [HOLD, RAISE_SEQS, RAISE_SEQS]
+
+
+def test_no_better_setting_once_every_move_failed():
+    d = run([window(ttft=1300, itl=90, waiting=4)] * 2 + [window(ttft=1900, itl=90, waiting=6)]
+            + [window(ttft=1300, itl=90, waiting=4)])
+    assert actions(d) == [HOLD, BACK_OFF_SEQS, ROLLBACK, HOLD]
+    assert d[-1].tuned.reason == "NoBetterSetting" and "retry in" in d[-1].tuned.message
+
+
+def test_cooldown_holds_between_changes():
+    d = run([GOOD_BUSY] * 4, policy=POLICY.replace(cooldown_s=25))
+    assert actions(d) == [RAISE_SEQS, HOLD, HOLD, RAISE_SEQS]
+    assert "cooling down" in d[1].reason
+
+
+def test_knobs_outside_the_bounds_are_clamped_first():
+    d = decide(TunerState(Knobs(max_num_seqs=100, prefill_chunk_size=4)), None, POLICY, 0)
+    assert d.action == CLAMP and d.applied
+    assert (d.knobs.max_num_seqs, d.knobs.prefill_chunk_size) == (32, 32)
+
+
+def test_observe_mode_recommends_without_moving():
+    d = run([GOOD_BUSY] * 3, policy=POLICY.replace(mode="observe"))
+    assert actions(d) == [RAISE_SEQS] * 3
+    assert all(not x.applied and x.knobs.max_num_seqs == 10 for x in d)
+    assert seqs(d) == [8, 8, 8] and d[0].reason.startswith("recommended")
+
+
+def test_off_mode_does_nothing():
+    d = decide(TunerState(START), SEVERE, POLICY.replace(mode="off"), 0)
+    assert d.action == HOLD and d.knobs is None and d.state.knobs == START
+
+
+def test_upper_bound_is_never_passed():
+    d = run([GOOD_BUSY] * 20)
+    assert max(seqs(d)) == 32 and actions(d)[-1] == HOLD
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(mode="turbo"), "mode"),
+    (dict(ttft_p99_ms=0), "ttft_p99_ms"),
+    (dict(max_num_seqs_bounds=(8, 4)), "max_num_seqs_bounds"),
+    (dict(prefill_chunk_size_bounds={"min": 0, "max": 4}), "prefill_chunk_size_bounds.min"),
+    (dict(headroom=1.2), "headroom"),
+    (dict(backoff_factor=1), "backoff_factor"),
+    (dict(min_samples=0), "min_samples"),
+    (dict(chunk_factor=1.0), "chunk_factor"),
+    (dict(cooldown_s=-1), "cooldown_s"),
+])
+def test_policy_rejects_bad_values_naming_the_field(changes, field):
+    base = dataclasses.asdict(POLICY)
+    base.update(changes)
+    with pytest.raises(InvalidPolicyError) as info:
+        TuningPolicy(**base)
+    assert info.value.field == field
+
+
+def test_policy_from_plain_values():
+    p = TuningPolicy(ttft_p99_ms=2000, itl_p99_ms=200, max_num_seqs_bounds={"min": 1, "max": 64},
+                     prefill_chunk_size_bounds=[16, 512], window_s=60)
+    assert p.max_num_seqs_bounds.max == 64 and p.prefill_chunk_size_bounds.min == 16
+    assert p.cooldown == 60
