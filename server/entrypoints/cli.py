@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from iterserve.server.bench import cli as bench_cli
 from iterserve.server.entrypoints import generate_cmd, serve_cmd
 
 
@@ -13,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
     serve_cmd.register(sub)
+    bench_cli.register(sub)
     return parser
 
 
