@@ -1,0 +1,158 @@
+"""The Deployment running `iterserve serve` for one LLMService.
+
+Everything here is in the pod template, so changing it rolls the pods, except the live knobs: their
+values come from ConfigMap `<name>-knobs` through env vars expanded in the args (`$(VAR)`), so the
+template stays the same when they change and running pods get the new values over HTTP instead.
+"""
+
+from __future__ import annotations
+
+from iterserve.operator.builders.labels import (
+    ANNOTATION_PREFIX, HTTP_PORT, admin_secret_name, child_metadata, knobs_configmap_name, labels,
+    selector_labels,
+)
+from iterserve.operator.builders.secret import TOKEN_KEY
+from iterserve.operator.builders.configmap import configmap_key, env_var
+from iterserve.operator.spec import LLMService
+from iterserve.operator.tuning.act import KNOB_NAMES
+
+CONTAINER = "server"
+MODEL_MOUNT = "/models"
+RUN_AS = 10001  # the image's unprivileged user (manifests/Dockerfile.server)
+# The Service drops a terminating pod from its endpoints asynchronously; waiting this long before the
+# SIGTERM keeps new requests off a pod that is about to answer them with 503.
+PRESTOP_SLEEP_S = 5
+# After --drain-timeout the server aborts what is left and uvicorn takes up to 5 s to close connections.
+SHUTDOWN_MARGIN_S = 10
+TOKEN_DIGEST_ANNOTATION = ANNOTATION_PREFIX + "admin-token-digest"
+
+
+def model_path(svc: LLMService) -> str | None:
+    """The --model argument: None for the bundled default."""
+    if svc.model.source == "path":
+        return svc.model.path
+    if svc.model.source == "pvc":
+        return f"{MODEL_MOUNT}/{svc.model.path}" if svc.model.path else MODEL_MOUNT
+    return None
+
+
+def server_args(svc: LLMService) -> list[str]:
+    e = svc.engine
+    args = ["--host", "0.0.0.0", "--port", str(HTTP_PORT), "--drain-timeout", str(svc.drain_timeout_seconds)]
+    optional = [
+        ("--model", model_path(svc)),
+        ("--served-model-name", svc.served_model_name),
+        ("--max-queue", svc.max_queue),
+        ("--dtype", e.dtype),
+        ("--max-model-len", e.max_model_len),
+        ("--kv-cache-memory", e.kv_cache_memory),
+        ("--block-size", e.block_size),
+        ("--policy", e.policy),
+        ("--threads", e.threads),
+    ]
+    for flag, value in optional:
+        if value is not None:
+            args += [flag, str(value)]
+    for knob in KNOB_NAMES:  # expanded by the kubelet from the env below, i.e. from the ConfigMap
+        args += ["--" + configmap_key(knob), f"$({env_var(knob)})"]
+    return args
+
+
+def _env(svc: LLMService) -> list[dict]:
+    env = [{"name": env_var(knob),
+            "valueFrom": {"configMapKeyRef": {"name": knobs_configmap_name(svc.name), "key": configmap_key(knob)}}}
+           for knob in KNOB_NAMES]
+    env.append({"name": "ITERSERVE_ADMIN_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": admin_secret_name(svc.name), "key": TOKEN_KEY}}})
+    if svc.api_key is not None:
+        env.append({"name": "ITERSERVE_API_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": svc.api_key.name, "key": svc.api_key.key}}})
+    env.append({"name": "HOME", "value": "/tmp"})  # caches (torch, triton) go to the writable volume
+    return env
+
+
+def _volumes(svc: LLMService) -> tuple[list[dict], list[dict]]:
+    volumes = [{"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    if svc.model.source == "pvc":
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_name, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _http_probe(path: str, period: int, failures: int) -> dict:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
+            "failureThreshold": failures}
+
+
+def _container(svc: LLMService) -> dict:
+    _, mounts = _volumes(svc)
+    container = {
+        "name": CONTAINER,
+        "image": svc.image,
+        "command": ["iterserve", "serve"],
+        "args": server_args(svc),
+        "env": _env(svc),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        # loading a model can take minutes: liveness starts counting only once /health answered
+        "startupProbe": _http_probe("/health", 5, 120),
+        "livenessProbe": _http_probe("/health", 10, 3),
+        "readinessProbe": _http_probe("/ready", 5, 2),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+    }
+    if svc.resources:
+        container["resources"] = {key: dict(value) for key, value in svc.resources.items() if value}
+    if svc.image_pull_policy:
+        container["imagePullPolicy"] = svc.image_pull_policy
+    return container
+
+
+def termination_grace_seconds(svc: LLMService) -> int:
+    return PRESTOP_SLEEP_S + svc.drain_timeout_seconds + SHUTDOWN_MARGIN_S
+
+
+def build_deployment(svc: LLMService, admin_token_digest: str) -> dict:
+    """`admin_token_digest` (secret.token_digest) is in the template so that a new admin token rolls the pods."""
+    volumes, _ = _volumes(svc)
+    pod_spec = {
+        "containers": [_container(svc)],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": termination_grace_seconds(svc),
+        "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    if svc.node_selector:
+        pod_spec["nodeSelector"] = dict(svc.node_selector)
+    if svc.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in svc.tolerations]
+    if svc.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in svc.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(svc, svc.name),
+        "spec": {
+            "replicas": svc.replicas,
+            "selector": {"matchLabels": selector_labels(svc.name)},
+            # a new pod must be ready before an old one goes (needs room for one more pod, e.g. one more GPU)
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {
+                    "labels": labels(svc.name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(HTTP_PORT),
+                        "prometheus.io/path": "/metrics",
+                        TOKEN_DIGEST_ANNOTATION: admin_token_digest,
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }

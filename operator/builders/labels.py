@@ -1,0 +1,46 @@
+"""Names, labels and owner references shared by every child of an LLMService."""
+
+from __future__ import annotations
+
+from iterserve.operator.constants import GROUP, KIND, VERSION
+from iterserve.operator.spec import LLMService
+
+MANAGED_BY = "iterserve-operator"
+HTTP_PORT = 8000
+ANNOTATION_PREFIX = "iterserve.io/"
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin"
+
+
+def knobs_configmap_name(name: str) -> str:
+    return f"{name}-knobs"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """What selects the pods of one LLMService (Deployment, Service, PDB, status.selector)."""
+    return {"app.kubernetes.io/name": "iterserve", "app.kubernetes.io/instance": name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{key}={value}" for key, value in selector_labels(name).items())
+
+
+def labels(name: str) -> dict[str, str]:
+    return {**selector_labels(name), "app.kubernetes.io/component": "server",
+            "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def owner_reference(svc: LLMService) -> dict:
+    # blockOwnerDeletion: foreground deletion of the LLMService waits for its children
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": svc.name, "uid": svc.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def child_metadata(svc: LLMService, name: str, annotations: dict[str, str] | None = None) -> dict:
+    meta = {"name": name, "namespace": svc.namespace, "labels": labels(svc.name),
+            "ownerReferences": [owner_reference(svc)]}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta

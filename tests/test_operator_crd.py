@@ -1,0 +1,130 @@
+"""The LLMService CRD: a valid, structural apiextensions/v1 object whose schema accepts the samples,
+rejects bad specs at the field, and defaults exactly as the operator does."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from iterserve.operator.constants import GROUP, KIND, PLURAL, SHORT_NAME, VERSION
+from iterserve.operator.spec import parse_llmservice
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD = yaml.safe_load((ROOT / "crds/llmservice.yaml").read_text())
+(CRD_VERSION,) = CRD["spec"]["versions"]
+SCHEMA = CRD_VERSION["schema"]["openAPIV3Schema"]
+
+
+def samples() -> list[dict]:
+    docs = []
+    for path in sorted((ROOT / "manifests/samples").glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == KIND]
+    return docs
+
+
+def schema_errors(obj: dict) -> list[str]:
+    validator = jsonschema.Draft4Validator(SCHEMA)
+    return [".".join(str(p) for p in e.absolute_path) + ": " + e.message for e in validator.iter_errors(obj)]
+
+
+def test_crd_is_a_valid_object_with_the_documented_names():
+    kubernetes_validate.validate(CRD, kubernetes_validate.latest_version(), strict=True)
+    assert CRD["metadata"]["name"] == f"{PLURAL}.{GROUP}"
+    names = CRD["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == (KIND, PLURAL, [SHORT_NAME])
+    assert CRD["spec"]["scope"] == "Namespaced" and CRD_VERSION["name"] == VERSION
+    assert CRD_VERSION["subresources"]["status"] == {}
+    assert CRD_VERSION["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                     "statusReplicasPath": ".status.replicas",
+                                                     "labelSelectorPath": ".status.selector"}
+
+
+def _structural_problems(node: dict, path: str) -> list[str]:
+    """The rules of a structural schema the API server enforces (a type everywhere, no type inside anyOf)."""
+    problems = []
+    if "type" not in node and not node.get("x-kubernetes-int-or-string") and \
+            not node.get("x-kubernetes-preserve-unknown-fields"):
+        problems.append(f"{path}: no type")
+    for branch in node.get("anyOf", []) + node.get("oneOf", []):
+        if node.get("x-kubernetes-int-or-string") and branch in ({"type": "integer"}, {"type": "string"}):
+            continue
+        problems.append(f"{path}: anyOf/oneOf branch {branch} is not allowed here")
+    for name, child in (node.get("properties") or {}).items():
+        problems += _structural_problems(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        problems += _structural_problems(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        problems += _structural_problems(node["additionalProperties"], f"{path}{{}}")
+    return problems
+
+
+def test_schema_is_structural():
+    assert _structural_problems(SCHEMA, "") == []
+
+
+def test_printer_columns_show_readiness_knobs_and_p99s():
+    columns = {c["name"]: c["jsonPath"] for c in CRD_VERSION["additionalPrinterColumns"]}
+    assert columns["Ready"] == ".status.readyReplicas"
+    assert columns["Max-Seqs"] == ".status.knobs.maxNumSeqs"
+    assert columns["Chunk"] == ".status.knobs.prefillChunkSize"
+    assert columns["TTFT-P99-ms"] == ".status.ttftP99Ms" and columns["ITL-P99-ms"] == ".status.itlP99Ms"
+
+
+def test_samples_validate_against_the_schema_and_the_operator():
+    docs = samples()
+    assert len(docs) >= 2
+    for doc in docs:
+        assert schema_errors(doc) == [], doc["metadata"]["name"]
+        parse_llmservice({**doc, "metadata": {**doc["metadata"], "namespace": "default", "uid": "u"}})
+
+
+def sample(**spec_changes) -> dict:
+    doc = copy.deepcopy(samples()[0])
+    doc["spec"].update(spec_changes)
+    return doc
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"replicas": -1}, "spec.replicas"),
+    ({"replicas": "two"}, "spec.replicas"),
+    ({"model": {"source": "s3"}}, "spec.model.source"),
+    ({"model": {"path": "/x"}}, "spec.model"),  # source is required
+    ({"engine": {"maxNumSeqs": 0}}, "spec.engine.maxNumSeqs"),
+    ({"engine": {"dtype": "int4"}}, "spec.engine.dtype"),
+    ({"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
+    ({"tuning": {"mode": "sometimes"}}, "spec.tuning.mode"),
+    ({"tuning": {"intervalSeconds": 1}}, "spec.tuning.intervalSeconds"),
+    ({"slo": {"ttftP99Ms": 0}}, "spec.slo.ttftP99Ms"),
+    ({"resources": {"limits": {"nvidia.com/gpu": "one"}}}, "spec.resources.limits.nvidia.com/gpu"),
+    ({"tolerations": [{"operator": "Maybe"}]}, "spec.tolerations.0.operator"),
+    ({"apiKeySecretRef": {"key": "k"}}, "spec.apiKeySecretRef"),
+    ({"drainTimeoutSeconds": 7200}, "spec.drainTimeoutSeconds"),
+])
+def test_schema_rejects_bad_fields_by_name(changes, field):
+    errors = schema_errors(sample(**changes))
+    assert any(e.startswith(field + ":") for e in errors), errors
+
+
+def apply_defaults(schema: dict, value):
+    """Structural defaulting as the API server does it: a missing property with a default gets it,
+    then defaults apply inside it too."""
+    if isinstance(value, dict):
+        for name, child in (schema.get("properties") or {}).items():
+            if name not in value and "default" in child:
+                value[name] = copy.deepcopy(child["default"])
+            if name in value:
+                apply_defaults(child, value[name])
+    return value
+
+
+def test_crd_defaults_match_the_operators():
+    minimal = {"metadata": {"name": "x", "namespace": "n", "uid": "u"}, "spec": {}}
+    defaulted = apply_defaults(SCHEMA, copy.deepcopy(minimal))
+    assert defaulted["spec"]["engine"]["maxNumSeqs"] == 64  # defaulting reached the nested fields
+    assert parse_llmservice(defaulted) == parse_llmservice(minimal)
