@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from iterserve.server.bench import cli as bench_cli
+from iterserve.operator import cli as operator_cli
 from iterserve.server.entrypoints import generate_cmd, serve_cmd
 
 
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.register(sub)
     serve_cmd.register(sub)
     bench_cli.register(sub)
+    operator_cli.register(sub)
     return parser
 
 

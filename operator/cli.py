@@ -1,0 +1,66 @@
+"""`iterserve operator`: run the LLMService operator (kopf) against the cluster in KUBECONFIG or in-cluster.
+
+Only argparse here at import time: `iterserve --help` must not pay for kopf and kubernetes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(sub) -> None:
+    p = sub.add_parser("operator", help="run the LLMService Kubernetes operator",
+                       description="Reconcile LLMService resources into serving pods and tune them live. "
+                                   "Cluster access from KUBECONFIG, else the in-cluster service account.")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch only this namespace (repeatable; globs as in kopf)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
+    p.add_argument("--standalone", action="store_true",
+                   help="no leader election: only for a single replica (e.g. on a laptop)")
+    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "iterserve-system"),
+                   help="namespace of the leader-election Lease (default: env POD_NAMESPACE or iterserve-system)")
+    p.add_argument("--lease-seconds", type=int, default=15, help="leader Lease duration; a standby takes over "
+                                                                 "this long after the leader dies")
+    p.add_argument("--identity", default=None, help="leader-election identity (default: env POD_NAME)")
+    p.add_argument("--resync-seconds", type=float, default=None,
+                   help="how often each LLMService is fully reconciled to repair drift (default 30)")
+    p.add_argument("--prometheus-url", default=os.environ.get("ITERSERVE_PROMETHEUS_URL"),
+                   help="Prometheus the tuner reads p99 latencies from (default: env ITERSERVE_PROMETHEUS_URL)")
+    p.add_argument("--verbose", action="store_true", help="debug logging")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.resync_seconds is not None:
+        if args.resync_seconds <= 0:
+            print(f"iterserve operator: error: --resync-seconds must be > 0, got {args.resync_seconds}")
+            return 2
+        os.environ["ITERSERVE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)  # read by handlers at import
+    import kopf
+
+    from iterserve.operator import handlers  # noqa: F401  (registers the handlers)
+    from iterserve.operator.leader import default_identity, run_as_leader, timings
+
+    try:
+        timings(args.lease_seconds)
+    except ValueError as e:
+        print(f"iterserve operator: error: {e}")
+        return 2
+    kopf.configure(verbose=args.verbose)
+    memo = kopf.Memo(prometheus_url=args.prometheus_url)
+    namespaces = args.namespace
+
+    def operate() -> None:
+        kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces, memo=memo)
+
+    if args.standalone:
+        operate()
+    else:
+        import kubernetes
+
+        kubernetes.config.load_config()  # the Lease client uses the default configuration
+        run_as_leader(operate, namespace=args.lease_namespace, identity=args.identity or default_identity(),
+                      lease_seconds=args.lease_seconds)
+    return 0

@@ -1,0 +1,132 @@
+"""One reconcile of one LLMService from start to status: what every kopf handler calls (no kopf here).
+
+Runs under a per-object lock, so the change handlers, the drift timer, the Deployment watch and the
+tuner (which takes the same lock before it touches the knobs) never interleave on one LLMService
+inside this process. Across processes, leader election (operator/leader.py) keeps one active.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from kubernetes.client.exceptions import ApiException
+
+from iterserve.operator.builders.configmap import knobs_from_configmap
+from iterserve.operator.builders.labels import knobs_configmap_name
+from iterserve.operator.conditions import DEGRADED, get_condition, now_iso, transitions
+from iterserve.operator.constants import GROUP, KIND, VERSION
+from iterserve.operator.kube import Kube, is_status
+from iterserve.operator.reconcile import Change, reconcile, short_error
+from iterserve.operator.spec import SpecError, parse_llmservice
+from iterserve.operator.status import Observation, compute_status
+
+API_VERSION = f"{GROUP}/{VERSION}"
+MAX_STATUS_RETRIES = 5
+
+_locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+_locks_guard = threading.Lock()
+
+
+def object_lock(namespace: str, name: str) -> threading.Lock:
+    """The lock that serializes every writer of one LLMService's children, knobs and status."""
+    with _locks_guard:
+        return _locks[(namespace, name)]
+
+
+@dataclass
+class Result:
+    changes: list[Change] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    spec_error: SpecError | None = None
+    transitions: list[dict] = field(default_factory=list)  # conditions whose status or reason changed
+    gone: bool = False  # the LLMService was deleted meanwhile
+
+
+def write_status(kube: Kube, namespace: str, name: str, obs: Observation) -> tuple[list[dict], bool]:
+    """Merge the operator's part of the status in, guarded by resourceVersion so that a concurrent
+    writer of the tuner's part is never overwritten. Returns (condition transitions, gone)."""
+    for _ in range(MAX_STATUS_RETRIES):
+        current = kube.get_llmservice(namespace, name)
+        if current is None or current["metadata"].get("deletionTimestamp"):
+            return [], True
+        before = current.get("status") or {}
+        status = compute_status(obs, before, now_iso())
+        if all(before.get(key) == value for key, value in status.items()):
+            return [], False  # nothing new: no write, no watch event
+        patch = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "status": status}
+        try:
+            kube.merge_patch(API_VERSION, KIND, namespace, name, patch, subresource="status")
+        except ApiException as e:
+            if is_status(e, 409):
+                continue
+            if is_status(e, 404):
+                return [], True
+            raise
+        return transitions(before.get("conditions"), status["conditions"]), False
+    raise RuntimeError(f"status of {namespace}/{name}: still conflicting after {MAX_STATUS_RETRIES} tries")
+
+
+def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0) -> Result:
+    """Reconcile the LLMService `body` (as kopf or the API gave it) and write its status."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    with object_lock(namespace, name):
+        result = Result()
+        generation = int(meta.get("generation") or 0)
+        try:
+            svc = parse_llmservice(body)
+        except SpecError as e:
+            # leave the children as they are (the last good spec keeps serving) and say why
+            result.spec_error = e
+            deployment = _get_deployment(kube, namespace, name, result)
+            obs = Observation(name=name, generation=generation, deployment=deployment, spec_error=str(e),
+                              problems=result.problems)
+        else:
+            outcome = reconcile(kube, svc, pod_timeout=pod_timeout)
+            result.changes, result.problems = outcome.changes, outcome.problems
+            obs = Observation(name=name, generation=generation, replicas_wanted=svc.replicas,
+                              tuning_mode=svc.tuning.mode, deployment=outcome.deployment, knobs=outcome.knobs,
+                              problems=outcome.problems)
+        result.transitions, result.gone = write_status(kube, namespace, name, obs)
+        return result
+
+
+def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
+    """Only the status, from the Deployment and ConfigMap as they are now (after a Deployment status
+    change). observedGeneration stays: this looked at no spec change."""
+    result = Result()
+    body = kube.get_llmservice(namespace, name)
+    if body is None:
+        result.gone = True
+        return result
+    with object_lock(namespace, name):
+        try:
+            svc = parse_llmservice(body)
+        except SpecError:
+            return result  # the change handlers report invalid specs
+        status = body.get("status") or {}
+        deployment = _get_deployment(kube, namespace, name, result)
+        try:
+            knobs = knobs_from_configmap(kube.get("v1", "ConfigMap", namespace, knobs_configmap_name(name)))
+        except ApiException as e:
+            knobs = None
+            result.problems.append(f"reading the knobs ConfigMap: {short_error(e)}")
+        # a Degraded condition from the last full reconcile stands: this refresh did not look at children
+        degraded = get_condition(status.get("conditions"), DEGRADED) or {}
+        if degraded.get("status") == "True" and degraded.get("reason") == "ReconcileFailed":
+            result.problems.append(degraded.get("message", ""))
+        obs = Observation(name=name, generation=status.get("observedGeneration", svc.generation),
+                          replicas_wanted=svc.replicas, tuning_mode=svc.tuning.mode, deployment=deployment,
+                          knobs=knobs, problems=result.problems)
+        result.transitions, result.gone = write_status(kube, namespace, name, obs)
+        return result
+
+
+def _get_deployment(kube: Kube, namespace: str, name: str, result: Result) -> dict | None:
+    try:
+        return kube.get("apps/v1", "Deployment", namespace, name)
+    except ApiException as e:
+        result.problems.append(f"reading the Deployment: {short_error(e)}")
+        return None

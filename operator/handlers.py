@@ -1,0 +1,101 @@
+"""kopf handlers: decorators only; the work is in operator/controller.py and operator/reconcile.py.
+
+- create / update / resume of an LLMService: a full reconcile (children, live knobs, status);
+- a timer per LLMService (`ITERSERVE_OPERATOR_RESYNC_SECONDS`, default 30): the same reconcile, which
+  puts back deleted or edited children and pods that missed a knob change;
+- Deployments the operator manages: a status refresh when their status changes (Ready follows the
+  pods without waiting for the timer) and a full reconcile of the owner when one is deleted.
+
+Run with `iterserve operator` (operator/cli.py) or `kopf run -m iterserve.operator.handlers`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import kopf
+import kubernetes
+
+from iterserve.operator import controller
+from iterserve.operator.builders.labels import MANAGED_BY
+from iterserve.operator.constants import GROUP, KIND, PLURAL, VERSION
+from iterserve.operator.kube import Kube
+
+RESYNC_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_RESYNC_SECONDS", "30"))
+POD_TIMEOUT_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_POD_TIMEOUT", "3"))
+RETRY_DELAY_SECONDS = 10
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    # kopf's bookkeeping in annotations under our prefix: the CRD's structural schema would prune a
+    # `status.kopf` field, and no finalizer is needed (children go by owner references).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="iterserve.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="iterserve.io", key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's add only failures
+    settings.execution.max_workers = 8
+    if getattr(memo, "kube", None) is None:
+        kubernetes.config.load_config()
+        memo.kube = Kube(kubernetes.client.ApiClient())
+
+
+def _report(body, result: controller.Result, *, drift: bool) -> None:
+    for change in result.changes:
+        reason = {"created": "Created", "deleted": "Deleted", "live": "KnobsApplied"}.get(
+            change.action, "DriftRepaired" if drift else "Updated")
+        kopf.info(body, reason=reason, message=str(change))
+    for condition in result.transitions:
+        post = kopf.warn if condition["type"] == "Degraded" and condition["status"] == "True" else kopf.info
+        message = f"{condition['type']}={condition['status']}"
+        post(body, reason=condition["reason"], message=message + (f": {condition['message']}"
+                                                                   if condition.get("message") else ""))
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def reconcile_llmservice(body, memo: kopf.Memo, logger, **_) -> None:
+    result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
+    _report(body, result, drift=False)
+    if result.spec_error is not None:
+        kopf.warn(body, reason="InvalidSpec", message=str(result.spec_error))
+        raise kopf.PermanentError(f"invalid spec: {result.spec_error}")  # retried when the spec changes
+    if result.problems and not result.gone:
+        for problem in result.problems:
+            kopf.warn(body, reason="ReconcileFailed", message=problem)
+        raise kopf.TemporaryError("; ".join(result.problems), delay=RETRY_DELAY_SECONDS)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def repair_drift(body, memo: kopf.Memo, logger, **_) -> None:
+    result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
+    _report(body, result, drift=True)  # problems persist in status; Degraded's transition is the Event
+
+
+def _owner(body) -> tuple[str, str] | None:
+    for ref in body.get("metadata", {}).get("ownerReferences") or ():
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/") and ref.get("controller"):
+            return body["metadata"]["namespace"], ref["name"]
+    return None
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+def deployment_changed(event, body, memo: kopf.Memo, logger, **_) -> None:
+    owner = _owner(body)
+    if owner is None:
+        return
+    namespace, name = owner
+    if event.get("type") == "DELETED":
+        llmservice = memo.kube.get_llmservice(namespace, name)
+        if llmservice is None or llmservice["metadata"].get("deletionTimestamp"):
+            return  # deleted with its owner: garbage collection, nothing to repair
+        result = controller.handle(memo.kube, llmservice, pod_timeout=POD_TIMEOUT_SECONDS)
+        _report(llmservice, result, drift=True)
+        return
+    result = controller.refresh_status(memo.kube, namespace, name)
+    if not result.gone and result.transitions:
+        llmservice = memo.kube.get_llmservice(namespace, name)
+        if llmservice is not None:
+            _report(llmservice, result, drift=False)

@@ -1,0 +1,229 @@
+"""Bring an LLMService's children in line with its spec: plain functions over `Kube`, no kopf here.
+
+Every step is idempotent and safe to run twice at once or to cut short (an operator killed mid-way,
+two replicas for a moment): children have fixed names, so there is nothing to duplicate. The Secret
+and the ConfigMap hold state (the admin token, the knobs in force) and are created with POST (a 409
+means another run created it: use that one) and updated with the resourceVersion read (a 409 means
+someone wrote in between: read again). The Deployment, Service and PodDisruptionBudget are pure
+renderings of the spec and go through server-side apply, which creates them when missing and puts
+back any field someone else changed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from kubernetes.client.exceptions import ApiException
+
+from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap
+from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION, build_deployment
+from iterserve.operator.builders.labels import HTTP_PORT, admin_secret_name, knobs_configmap_name, selector_string
+from iterserve.operator.builders.pdb import build_pdb
+from iterserve.operator.builders.secret import admin_token_of, build_admin_secret, new_admin_token, token_digest
+from iterserve.operator.builders.service import build_service
+from iterserve.operator.drift import differences, foreign_owner
+from iterserve.operator.knobs import describe_change, plan_knobs
+from iterserve.operator.kube import Kube, is_status
+from iterserve.operator.spec import LLMService
+from iterserve.operator.tuning.act import PodCallError, get_scheduler, patch_scheduler
+
+logger = logging.getLogger("iterserve.operator")
+MAX_CONFLICT_RETRIES = 5
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str
+    name: str
+    action: str  # created, updated, deleted, live
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name} {self.action}" + (f": {self.detail}" if self.detail else "")
+
+
+@dataclass
+class Outcome:
+    changes: list[Change] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    knobs: dict[str, int] | None = None
+    deployment: dict | None = None
+
+
+class ChildConflict(Exception):
+    """A child's name is taken by an object the operator does not manage."""
+
+
+def _pdb_version(kube: Kube) -> str:
+    if not hasattr(kube, "pdb_api_version"):
+        kube.pdb_api_version = "policy/v1" if kube.serves("policy/v1") else "policy/v1beta1"
+    return kube.pdb_api_version
+
+
+def _check_ours(obj: dict | None, svc: LLMService) -> None:
+    if obj is not None:
+        reason = foreign_owner(obj, svc.uid)
+        if reason is not None:
+            raise ChildConflict(f"{obj['kind']} {svc.namespace}/{obj['metadata']['name']}: {reason}; "
+                                f"rename the LLMService or remove that object")
+
+
+def _metadata_patch(desired: dict, current: dict) -> dict:
+    meta = desired["metadata"]
+    patch = {"resourceVersion": current["metadata"]["resourceVersion"], "labels": meta["labels"],
+             "ownerReferences": meta["ownerReferences"]}
+    if "annotations" in meta:
+        patch["annotations"] = meta["annotations"]
+    return patch
+
+
+def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
+    """The admin token: the stored one when there is one (pods were started with it), else a new one."""
+    name = admin_secret_name(svc.name)
+    for _ in range(MAX_CONFLICT_RETRIES):
+        current = kube.get("v1", "Secret", svc.namespace, name)
+        _check_ours(current, svc)
+        token = admin_token_of(current)
+        if current is None:
+            token = new_admin_token()
+            try:
+                kube.create(build_admin_secret(svc, token))
+            except ApiException as e:
+                if is_status(e, 409):
+                    continue  # another run created it first: use its token
+                raise
+            out.changes.append(Change("Secret", name, "created", "new admin token"))
+            return token
+        desired = build_admin_secret(svc, token or new_admin_token())
+        drift = differences({"metadata": {k: desired["metadata"][k] for k in ("labels", "ownerReferences")},
+                             "data": desired["data"]}, current)
+        if not drift:
+            return token
+        try:
+            kube.merge_patch("v1", "Secret", svc.namespace, name,
+                             {"metadata": _metadata_patch(desired, current), "data": desired["data"]})
+        except ApiException as e:
+            if is_status(e, 409):
+                continue
+            raise
+        out.changes.append(Change("Secret", name, "updated", ", ".join(drift)))
+        return admin_token_of(desired)
+    raise RuntimeError(f"Secret {name}: still conflicting after {MAX_CONFLICT_RETRIES} tries")
+
+
+def ensure_knobs(kube: Kube, svc: LLMService, out: Outcome) -> dict[str, int]:
+    """Write the knobs to have in force (operator/knobs.py decides) into ConfigMap <name>-knobs."""
+    name = knobs_configmap_name(svc.name)
+    for _ in range(MAX_CONFLICT_RETRIES):
+        current = kube.get("v1", "ConfigMap", svc.namespace, name)
+        _check_ours(current, svc)
+        plan = plan_knobs(svc, current)
+        desired = build_knobs_configmap(svc, plan.knobs)
+        try:
+            if current is None:
+                kube.create(desired)
+                out.changes.append(Change("ConfigMap", name, "created", describe_change(None, plan.knobs)))
+                return plan.knobs
+            drift = differences({"metadata": {k: desired["metadata"][k] for k in
+                                              ("labels", "annotations", "ownerReferences")},
+                                 "data": desired["data"]}, current)
+            if drift:
+                kube.merge_patch("v1", "ConfigMap", svc.namespace, name,
+                                 {"metadata": _metadata_patch(desired, current), "data": desired["data"]})
+                detail = (f"{describe_change(knobs_from_configmap(current), plan.knobs)} ({plan.reason})"
+                          if plan.reason else ", ".join(drift))
+                out.changes.append(Change("ConfigMap", name, "updated", detail))
+            return plan.knobs
+        except ApiException as e:
+            if is_status(e, 409):
+                continue  # created or written by another run (or the tuner) in between: plan again
+            raise
+    raise RuntimeError(f"ConfigMap {name}: still conflicting after {MAX_CONFLICT_RETRIES} tries")
+
+
+def apply_child(kube: Kube, svc: LLMService, desired: dict, out: Outcome) -> dict:
+    """Server-side apply of a rendered child; records created/updated (with the drifted fields)."""
+    meta = desired["metadata"]
+    current = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    _check_ours(current, svc)
+    applied = kube.apply(desired)
+    if current is None:
+        out.changes.append(Change(desired["kind"], meta["name"], "created"))
+    elif applied["metadata"]["resourceVersion"] != current["metadata"]["resourceVersion"]:
+        drift = differences(desired, current)
+        out.changes.append(Change(desired["kind"], meta["name"], "updated", ", ".join(drift)))
+    return applied
+
+
+def ensure_pdb(kube: Kube, svc: LLMService, out: Outcome) -> None:
+    version = _pdb_version(kube)
+    desired = build_pdb(svc, version)
+    if desired is not None:
+        apply_child(kube, svc, desired, out)
+        return
+    current = kube.get(version, "PodDisruptionBudget", svc.namespace, svc.name)
+    if current is not None and foreign_owner(current, svc.uid) is None:
+        if kube.delete(version, "PodDisruptionBudget", svc.namespace, svc.name):
+            out.changes.append(Change("PodDisruptionBudget", svc.name, "deleted", "replicas <= 1"))
+
+
+def _ready_pods(kube: Kube, svc: LLMService) -> list[dict]:
+    pods = kube.list("v1", "Pod", svc.namespace, selector_string(svc.name))
+    return [pod for pod in pods
+            if not pod["metadata"].get("deletionTimestamp") and (pod.get("status") or {}).get("podIP")
+            and any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (pod.get("status") or {}).get("conditions") or ())]
+
+
+def sync_pod_knobs(kube: Kube, svc: LLMService, token: str, knobs: dict[str, int], out: Outcome,
+                   timeout: float = 3.0) -> None:
+    """Give every ready pod the knobs in force, live (GET to compare, PATCH what differs)."""
+    digest = token_digest(token)
+    for pod in _ready_pods(kube, svc):
+        pod_name = pod["metadata"]["name"]
+        if (pod["metadata"].get("annotations") or {}).get(TOKEN_DIGEST_ANNOTATION) != digest:
+            continue  # started with an older admin token: the rollout is replacing it
+        url = f"http://{pod['status']['podIP']}:{HTTP_PORT}"
+        try:
+            running = get_scheduler(url, token, timeout).get("knobs") or {}
+            different = {k: v for k, v in knobs.items() if running.get(k) != v}
+            if different:
+                patch_scheduler(url, token, different, timeout)
+                out.changes.append(Change("Pod", pod_name, "live", describe_change(running, different)))
+        except PodCallError as e:
+            out.problems.append(f"pod {pod_name}: could not apply the knobs: {e}")
+
+
+def reconcile(kube: Kube, svc: LLMService, *, pod_timeout: float = 3.0) -> Outcome:
+    """One full pass. Every child is attempted even when another fails; failures land in `problems`."""
+    out = Outcome()
+
+    def attempt(what: str, step, *args):
+        try:
+            return step(*args)
+        except (ApiException, ChildConflict, RuntimeError) as e:
+            out.problems.append(f"{what}: {short_error(e)}")
+            logger.warning("%s/%s: %s: %s", svc.namespace, svc.name, what, short_error(e))
+            return None
+
+    token = attempt("admin Secret", ensure_admin_secret, kube, svc, out)
+    out.knobs = attempt("knobs ConfigMap", ensure_knobs, kube, svc, out)
+    if token is not None:  # the pod template carries the token's digest
+        out.deployment = attempt("Deployment", apply_child, kube, svc, build_deployment(svc, token_digest(token)), out)
+    attempt("Service", apply_child, kube, svc, build_service(svc), out)
+    attempt("PodDisruptionBudget", ensure_pdb, kube, svc, out)
+    if token is not None and out.knobs is not None:
+        attempt("pods", sync_pod_knobs, kube, svc, token, out.knobs, out, pod_timeout)
+    return out
+
+
+def short_error(error: BaseException) -> str:
+    """One line for status and Events: the API server's message rather than the whole response."""
+    if isinstance(error, ApiException):
+        try:
+            return f"HTTP {error.status}: {json.loads(error.body)['message']}"
+        except (TypeError, ValueError, KeyError):
+            return f"HTTP {error.status}: {error.reason}"
+    return str(error)
