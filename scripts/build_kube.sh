@@ -38,6 +38,7 @@ fi
 mkdir -p "$cache/bin"
 work=$(mktemp -d "$cache/build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+chmod 755 "$work"  # apt-get source downloads as user _apt when it can write here
 cd "$work"
 apt-get source --download-only kubernetes
 dpkg-source -x kubernetes_*.dsc src

@@ -7,6 +7,7 @@ import torch
 
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.engine_factory import build_engine
+from tests.kube_support import kube_cluster, kube_namespace  # noqa: F401  (a real Kubernetes API server)
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
