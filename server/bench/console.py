@@ -34,7 +34,9 @@ class BarProgress(Progress):
         self.errors = 0
 
     def start_run(self, label: str, total: int | None) -> None:
-        if self.task is not None:
+        if self.task is None:
+            self.bar.start()  # only once load begins: an early error stays a single line
+        else:
             self.bar.stop_task(self.task)
         self.errors = 0
         self.task = self.bar.add_task(label, total=total, errors=0)
@@ -42,6 +44,10 @@ class BarProgress(Progress):
     def finish_request(self, record: RequestRecord) -> None:
         self.errors += not record.ok
         self.bar.update(self.task, advance=1, errors=self.errors)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.bar.stop()
 
 
 def run_cli(config: BenchConfig, out_dir: Path, *, plots: bool = True, progress: bool = True) -> int:
@@ -63,11 +69,11 @@ def run_cli(config: BenchConfig, out_dir: Path, *, plots: bool = True, progress:
         await arun_bench(config, stop, bar, result)
 
     try:
-        if isinstance(bar, BarProgress):
-            with bar.bar:
-                asyncio.run(main())
-        else:
+        try:
             asyncio.run(main())
+        finally:
+            if isinstance(bar, BarProgress):
+                bar.close()
     except BenchError as e:
         print(f"iterserve bench: error: {e}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 
 from iterserve.server.bench.client import (BenchError, RequestRecord, Target, fetch_models, probe_target,
-                                           stream_request)
+                                           run_clock, stream_request)
 from iterserve.server.bench.metrics_scraper import MetricsScraper, knob_values, summarize_scrapes
 from iterserve.server.bench.result import BenchResult, RunResult
 from iterserve.server.bench.workload import RequestSpec, WorkloadSpec, generate_requests
@@ -198,7 +198,7 @@ async def _admin_knobs(client: httpx.AsyncClient, config: BenchConfig, result: B
 async def _run_level(client, config: BenchConfig, target: Target, workload: WorkloadSpec, run: RunResult,
                      stop: threading.Event, progress: Progress) -> None:
     t0 = time.perf_counter()
-    now = lambda: time.perf_counter() - t0  # noqa: E731
+    now = run_clock(t0)
     scraper = MetricsScraper(client, config.url, t0, config.metrics_interval_s)
     await scraper.scrape()
     progress.start_run(run.label, config.num_requests)
