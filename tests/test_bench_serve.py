@@ -179,3 +179,16 @@ def test_stop_event_and_duration_end_an_endless_run(server):
     records = timed.runs[0].records
     assert not timed.interrupted and records and all(r.ok for r in records)
     assert max(r.start for r in records) < 1.0 < max(r.end for r in records)
+
+
+def test_chat_endpoint_with_prompts_from_jsonl(server, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}\n'
+                    '{"prompt": "What is the capital of France?"}\n{"prompt": [40, 41, 42, 43]}\n')
+    workload = WorkloadSpec("jsonl", jsonl_path=str(path), output_len=parse_length("3"))
+    result = run_bench(BenchConfig(url=server, workload=workload, endpoint="chat", concurrency=3, num_requests=3))
+    records = sorted(result.runs[0].records, key=lambda r: r.index)
+    assert [r.error for r in records] == [None] * 3
+    # the assistant-role chunk that opens a chat stream carries no token and is not counted
+    assert [(r.output_tokens, sum(r.chunk_tokens)) for r in records] == [(5, 5), (3, 3), (3, 3)]
+    assert all(r.prompt_tokens > 4 for r in records)  # the chat template wraps every prompt

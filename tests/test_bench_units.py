@@ -291,3 +291,20 @@ def test_bench_imports_no_engine_internals():
             " ['iterserve','server','api'])]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_tokenizer_makes_text_prompts_exact(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from iterserve.server.bench.workload import WORDS
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(dict.fromkeys(WORDS))}, unk_token="the"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    plain = _requests(input_len=parse_length("uniform:5:30"), n=20)
+    exact = _requests(input_len=parse_length("uniform:5:30"), n=20, tokenizer_path=str(tmp_path))
+    assert [r.prompt_ids for r in exact] == [r.prompt_ids for r in plain]  # the tokenizer changes no draw
+    for r in exact:
+        assert len(tok.encode(r.text(), add_special_tokens=False).ids) == r.input_len
+    with pytest.raises(WorkloadError, match="--tokenizer"):
+        WorkloadSpec(tokenizer_path=str(tmp_path / "missing.json"))

@@ -33,6 +33,8 @@ def register(sub) -> None:
     w.add_argument("--jsonl", help='prompts file for --workload jsonl: {"prompt": ..., "max_tokens": N} per line')
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--prompt-token-range", default="32:127", help="LO:HI token ids of synthetic prompts")
+    w.add_argument("--tokenizer", help="tokenizer.json (or a model directory) for exact-length text prompts, "
+                                       "used with --endpoint chat or a server that takes no token ids")
     w.add_argument("--max-model-len", type=int, help="clip prompt + output to this (default: from /v1/models)")
     w.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early")
     w.add_argument("--temperature", type=float, default=0.0)
@@ -85,7 +87,7 @@ def config_from_args(args: argparse.Namespace):
         shape=args.workload, seed=args.seed, jsonl_path=args.jsonl, token_range=(lo, hi),
         input_len=parse_length(args.input_len, "--input-len") if args.input_len else None,
         output_len=parse_length(args.output_len, "--output-len") if args.output_len else None,
-        max_model_len=args.max_model_len, ignore_eos=not args.no_ignore_eos)
+        max_model_len=args.max_model_len, ignore_eos=not args.no_ignore_eos, tokenizer_path=args.tokenizer)
     concurrency, rate, sweep = args.concurrency, _rate(args.rate), ()
     if args.sweep:
         name, sep, values = args.sweep.partition("=")

@@ -4,7 +4,8 @@ A shape is a pair of length distributions (prompt tokens, output tokens), or a m
 (`mixed`), or the lines of a JSONL file. Synthetic prompts are lists of token ids drawn from a range
 that is printable ASCII in the common byte-level vocabularies (SmolLM2, GPT-2, Llama 3, Qwen), so the
 prompt length is exact without a tokenizer; `words_prompt` builds a text prompt of about the same
-number of tokens for servers (or the chat endpoint) that take text only. Output lengths are enforced
+number of tokens for servers (or the chat endpoint) that take text only, exactly that number when a
+tokenizer is given (`--tokenizer`: a tokenizer.json or a model directory holding one). Output lengths are enforced
 by sending `max_tokens` with `ignore_eos`.
 
 Length specs on the command line: `128` or `fixed:128`, `uniform:32:256` (both ends included),
@@ -100,6 +101,23 @@ def words_prompt(num_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(1, num_words)))
 
 
+def load_tokenizer(path: str):
+    """A `tokenizers.Tokenizer` from tokenizer.json or a directory holding one."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
+        raise WorkloadError(f"--tokenizer {path}: cannot load {file}: {e}") from None
+
+
+def exact_text_prompt(tokenizer, num_tokens: int, seed: int) -> str:
+    """Words cut to exactly `num_tokens` tokens of `tokenizer` (special tokens not counted)."""
+    ids = tokenizer.encode(words_prompt(num_tokens + 8, seed), add_special_tokens=False).ids[:num_tokens]
+    return tokenizer.decode(ids)
+
+
 # (share, input, output) per class; shares of a shape sum to 1
 PRESETS: dict[str, list[tuple[str, float, LengthDist, LengthDist]]] = {
     "random": [("random", 1.0, LengthDist("uniform", 64, 512), LengthDist("uniform", 16, 256))],
@@ -129,6 +147,7 @@ class WorkloadSpec:
     token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE
     max_model_len: int | None = None  # clip input + output to this (learnt from the server when not given)
     ignore_eos: bool = True
+    tokenizer_path: str | None = None  # makes text prompts exact in length
     jsonl_rows: list[dict] = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
@@ -139,6 +158,8 @@ class WorkloadSpec:
         lo, hi = self.token_range
         if not 0 <= lo < hi:
             raise WorkloadError(f"--prompt-token-range: need 0 <= LO < HI, got {lo}:{hi}")
+        if self.tokenizer_path:
+            load_tokenizer(self.tokenizer_path)  # a bad path fails now, not at the first request
         if self.shape == "jsonl" and not self.jsonl_rows:  # check the whole file before any request
             object.__setattr__(self, "jsonl_rows", load_jsonl(self.jsonl_path))
 
@@ -147,7 +168,7 @@ class WorkloadSpec:
                     "output_len": (self.output_len or o).describe()} for k, s, i, o in PRESETS[self.shape]]
         return {"shape": self.shape, "seed": self.seed, "classes": classes, "jsonl": self.jsonl_path,
                 "token_range": list(self.token_range), "max_model_len": self.max_model_len,
-                "ignore_eos": self.ignore_eos,
+                "ignore_eos": self.ignore_eos, "tokenizer": self.tokenizer_path,
                 "output_len": self.output_len.describe() if self.output_len else None}
 
 
@@ -219,9 +240,12 @@ def generate_requests(spec: WorkloadSpec, num_requests: int | None) -> Iterator[
     classes = PRESETS[spec.shape]
     weights = [share for _, share, _, _ in classes]
     lo, hi = spec.token_range
+    tokenizer = load_tokenizer(spec.tokenizer_path) if spec.tokenizer_path else None
     for i in counter:
         kind, _, input_dist, output_dist = classes[0] if len(classes) == 1 else rng.choices(classes, weights)[0]
         input_len, output_len = _clip((spec.input_len or input_dist).sample(rng),
                                       (spec.output_len or output_dist).sample(rng), spec.max_model_len)
         ids = [rng.randrange(lo, hi) for _ in range(input_len)]
-        yield RequestSpec(index=i, kind=kind, max_tokens=output_len, prompt_ids=ids, input_len=input_len)
+        text = exact_text_prompt(tokenizer, input_len, seed=spec.seed * 1_000_003 + i) if tokenizer else None
+        yield RequestSpec(index=i, kind=kind, max_tokens=output_len, prompt_ids=ids, prompt_text=text,
+                          input_len=input_len)
