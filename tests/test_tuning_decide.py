@@ -30,8 +30,9 @@ def window(ttft=500, itl=50, n=100, kv=0.3, waiting=0.0, preempt=0.0, errors=0.0
 GOOD_BUSY = window(ttft=500, itl=50, waiting=3)  # both p99s well under SLO, requests queue
 GOOD_IDLE = window(ttft=500, itl=50)  # nothing waits
 BAND = window(ttft=900, itl=60, waiting=3)  # met, but TTFT within the 20% headroom
-BOTH_OVER = window(ttft=1300, itl=120, waiting=3)
-SEVERE = window(ttft=3000, itl=400, waiting=3)
+BOTH_OVER = window(ttft=1300, itl=120)
+BOTH_OVER_QUEUED = window(ttft=1300, itl=120, waiting=3)
+SEVERE = window(ttft=3000, itl=400)
 ITL_OVER = window(ttft=300, itl=130)  # decode stalls while first tokens come early
 TTFT_OVER_QUEUED = window(ttft=1300, itl=40, waiting=4)
 TTFT_OVER_NO_QUEUE = window(ttft=1300, itl=40)
@@ -63,6 +64,8 @@ def seqs(decisions):
     ("overload: a mild breach is confirmed, then backed off multiplicatively", [BOTH_OVER] * 3,
      [HOLD, BACK_OFF_SEQS, BACK_OFF_SEQS], [8, 4, 2], "False"),
     ("a severe breach is acted on at once", [SEVERE], [BACK_OFF_SEQS], [4], "False"),
+    ("both over while requests queue: a smaller chunk first, it costs no capacity", [BOTH_OVER_QUEUED] * 2,
+     [HOLD, LOWER_CHUNK], [8, 8], "False"),
     ("KV pressure stops raising", [window(waiting=3, kv=0.95)] * 3, [HOLD] * 3, [8, 8, 8], "True"),
     ("preemption storm backs off to the bound, then says so", [window(waiting=3, preempt=2.0)] * 4,
      [BACK_OFF_SEQS, BACK_OFF_SEQS, HOLD, HOLD], [4, 2, 2, 2], "False"),
@@ -105,8 +108,8 @@ def test_ttft_breach_without_queue_raises_chunk_up_to_the_token_budget():
     assert [x.state.knobs.prefill_chunk_size for x in capped] == [128, 200, 200]
 
 
-def test_both_over_at_the_lower_bound_is_bounds_reached():
-    d = run([SEVERE] * 2, state=TunerState(START.replace(max_num_seqs=2)))
+def test_both_over_at_the_lower_bounds_is_bounds_reached():
+    d = run([window(ttft=3000, itl=400)] * 2, state=TunerState(START.replace(max_num_seqs=2, prefill_chunk_size=32)))
     assert actions(d) == [HOLD, HOLD]
     assert d[-1].tuned.status == "False" and d[-1].tuned.reason == "BoundsReached"
 
@@ -146,10 +149,34 @@ def test_correction_that_makes_a_breach_worse_is_reverted():
 
 
 def test_no_better_setting_once_every_move_failed():
-    d = run([window(ttft=1300, itl=90, waiting=4)] * 2 + [window(ttft=1900, itl=90, waiting=6)]
-            + [window(ttft=1300, itl=90, waiting=4)])
-    assert actions(d) == [HOLD, BACK_OFF_SEQS, ROLLBACK, HOLD]
-    assert d[-1].tuned.reason == "NoBetterSetting" and "retry in" in d[-1].tuned.message
+    # both over, nothing queued: back off, then a smaller chunk; each makes ITL worse and is reverted
+    worse = window(ttft=1400, itl=150)
+    d = run([BOTH_OVER, BOTH_OVER, worse, BOTH_OVER, worse, BOTH_OVER])
+    assert actions(d) == [HOLD, BACK_OFF_SEQS, ROLLBACK, LOWER_CHUNK, ROLLBACK, HOLD]
+    assert d[-1].state.knobs == START
+    assert d[-1].tuned.reason == "NoBetterSetting" and d[-1].tuned.message.count("retry in") == 2
+    assert "p99 ITL/SLO 1.20 -> 1.50" in d[2].reason
+
+
+def test_ttft_over_with_itl_tight_makes_itl_room_before_adding_sequences():
+    tight = window(ttft=1300, itl=90, waiting=4)
+    roomy = window(ttft=1300, itl=60, waiting=4)
+    d = run([tight, tight, roomy])
+    assert actions(d) == [HOLD, LOWER_CHUNK, RAISE_SEQS]
+    assert d[-1].state.knobs == START.replace(prefill_chunk_size=64, max_num_seqs=10)
+
+
+def test_more_throughput_forgives_a_ttft_that_a_backlog_still_grows():
+    grown = dataclasses.replace(window(ttft=1800, itl=50, waiting=9), request_rate=8)
+    d = run([TTFT_OVER_QUEUED, TTFT_OVER_QUEUED, grown])
+    assert actions(d) == [HOLD, RAISE_SEQS, RAISE_SEQS]
+
+
+def test_correction_that_pushes_the_other_p99_over_is_reverted():
+    pushed = dataclasses.replace(window(ttft=1100, itl=110, waiting=4), request_rate=8)
+    d = run([TTFT_OVER_QUEUED, TTFT_OVER_QUEUED, pushed])
+    assert actions(d) == [HOLD, RAISE_SEQS, ROLLBACK]
+    assert "p99 ITL went over its SLO" in d[-1].reason
 
 
 def test_cooldown_holds_between_changes():

@@ -5,12 +5,14 @@ Rules, in order (docs/tuning.md explains each and why):
 2. a window with too few samples decides nothing; during the cooldown after a change nothing changes
    unless pods preempt or fail;
 3. the first window after a change judges it: a change that broke a met SLO (or brought preemptions or
-   errors) is rolled back to the last good setting, one that made a breach worse is reverted; either way
-   the failed setting is not retried before `retry_after_s` (doubling each time it fails again);
+   errors) is rolled back to the last good setting; a correction that failed to improve the p99 it aimed
+   at, or pushed the other p99 over its SLO, is reverted; either way the failed setting is not retried
+   before `retry_after_s` (doubling each time it fails again);
 4. preemptions or failed steps back max_num_seqs off multiplicatively;
 5. a breach (confirmed over `confirm_breaches` windows unless severe) is diagnosed: ITL over while TTFT
    has headroom lowers prefill_chunk_size (prefill stalls decode); TTFT over while ITL has headroom raises
-   max_num_seqs when requests queue, else prefill_chunk_size; anything else backs max_num_seqs off;
+   max_num_seqs when requests queue behind the batch cap, else prefill_chunk_size; otherwise
+   max_num_seqs backs off (a smaller chunk first when requests queue: it costs no capacity);
 6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and requests waiting,
    max_num_seqs goes up by one step; between headroom and SLO nothing moves (the hysteresis band).
 `Tuned` is True while the SLO is met, False with `SLOBreached` while correcting, `BoundsReached` when the
@@ -52,9 +54,30 @@ NOT_OBSERVED = Condition("Unknown", "NotObserved", "no window with enough sample
 
 @dataclass(frozen=True)
 class FailedSetting:
+    """A setting that made things worse; until `until` it blocks itself and, when `knob` is set, every
+    setting further along that knob in `direction` (+1: that many or more, -1: that few or fewer) with the
+    other knobs equal, so a raise that breached once is not approached again step by step."""
+
     knobs: Knobs
-    until: float  # not tried again before this time
+    until: float
     num_failures: int
+    knob: str | None = None
+    direction: int = 0
+
+    def covers(self, target: Knobs) -> bool:
+        if target == self.knobs:
+            return True
+        if self.knob is None or target.replace(**{self.knob: getattr(self.knobs, self.knob)}) != self.knobs:
+            return False
+        return self.direction * (getattr(target, self.knob) - getattr(self.knobs, self.knob)) >= 0
+
+    def blocks(self, target: Knobs, now: float) -> bool:
+        return now < self.until and self.covers(target)
+
+    def on_line_with(self, other: "FailedSetting") -> bool:
+        """Both failed the same way along the same knob, the other knobs equal."""
+        return (self.knob is not None and self.knob == other.knob and self.direction == other.direction
+                and (self.covers(other.knobs) or other.covers(self.knobs)))
 
 
 @dataclass(frozen=True)
@@ -62,8 +85,13 @@ class PendingChange:
     """A change made by the tuner, waiting for the first window measured entirely after it."""
 
     before: Knobs
-    before_score: float  # worst p99/SLO ratio measured before the change
-    before_met: bool
+    action: str
+    before_healthy: bool  # the SLO was met without preemptions or errors before it
+    before_trouble: bool  # there were preemptions or errors before it
+    aim: str | None  # the p99 it meant to bring down ("ttft" / "itl"), None for a raise or a safety back-off
+    before_ttft: float  # p99 / SLO ratios and throughput before it
+    before_itl: float
+    before_request_rate: float
 
 
 @dataclass(frozen=True)
@@ -71,16 +99,16 @@ class TunerState:
     knobs: Knobs  # in force on the pods
     last_good: Knobs | None = None  # rollback point: the last setting that met the SLO without trouble
     last_change_time: float | None = None
+    previous_knobs: Knobs | None = None  # before the last change, and the move that left them
+    previous_action: str | None = None
     pending: PendingChange | None = None
     failed: tuple[FailedSetting, ...] = ()
-    num_breaches: int = 0  # windows in a row that breached the SLO
+    num_ttft_breaches: int = 0  # windows in a row in which p99 TTFT was over its SLO
+    num_itl_breaches: int = 0
     tuned: Condition = NOT_OBSERVED
 
     def blocked_until(self, knobs: Knobs, now: float) -> float | None:
-        for f in self.failed:
-            if f.knobs == knobs and now < f.until:
-                return f.until
-        return None
+        return max((f.until for f in self.failed if f.blocks(knobs, now)), default=None)
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,7 @@ class _Reading:
     score: float  # the worse of the two
     trouble: str | None  # preemptions or failed steps, described
     text: str  # the figures, for reasons
+    obs_request_rate: float
 
     @property
     def met(self) -> bool:
@@ -130,26 +159,34 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
                      state.tuned)
 
     healthy = r.met and r.trouble is None
-    s = dataclasses.replace(state, pending=None, num_breaches=0 if r.met else state.num_breaches + 1,
-                            last_good=state.knobs if healthy else state.last_good)
+    s = dataclasses.replace(state, pending=None, last_good=state.knobs if healthy else state.last_good,
+                            num_ttft_breaches=state.num_ttft_breaches + 1 if r.ttft > 1 else 0,
+                            num_itl_breaches=state.num_itl_breaches + 1 if r.itl > 1 else 0)
     if state.pending is not None and not healthy:
         p = state.pending
-        worse = p.before_met or r.score > p.before_score * (1 + policy.worse_tolerance)
-        if worse and state.blocked_until(p.before, now) is None:
-            s = dataclasses.replace(s, failed=_mark_failed(s.failed, state.knobs, now, policy))
-            what = r.trouble or f"worst p99/SLO {p.before_score:.2f} -> {r.score:.2f}"
-            where = "the last good setting" if p.before_met else "the setting before it"
+        worse = _judge(p, r, obs, policy)
+        if worse is not None:
+            # the setting went back to is cleared (a back-off marked it as a ceiling: the back-off was wrong)
+            failed = tuple(f for f in s.failed if f.knobs != p.before)
+            s = dataclasses.replace(s, failed=_mark_failed(failed, state.knobs, now, policy, p.action))
+            where = "the last good setting" if p.before_healthy else "the setting before it"
             return _move(s, policy, now, ROLLBACK, p.before,
-                         f"the change to {state.knobs.describe()} made things worse ({what}); back to {where}",
-                         r, _breached(r))
+                         f"the change to {state.knobs.describe()} made things worse ({worse}); back to {where}",
+                         r, _breached(r, state.tuned))
 
     if r.trouble is not None:
-        return _correct(s, policy, now, r, [_back_off_seqs(state.knobs, policy)], r.trouble)
+        return _correct(s, policy, now, r, [_back_off_seqs(state.knobs, policy)], r.trouble, aimed=False)
     if not r.met:
-        if s.num_breaches < policy.confirm_breaches and r.score < policy.severe_ratio:
-            return _stay(s, now, f"SLO breached in {s.num_breaches} window(s) of {policy.confirm_breaches} "
-                                 f"needed to act; {r.text}", False, _breached(r))
-        return _correct(s, policy, now, r, _corrections(state.knobs, obs, r, policy), "SLO breached")
+        # a mild breach must last confirm_breaches windows before it is acted on, each p99 on its own: one
+        # noisy window of ITL while TTFT is over does not turn a TTFT cure into an ITL one
+        ttft_bad = r.ttft > 1 and (s.num_ttft_breaches >= policy.confirm_breaches or r.ttft >= policy.severe_ratio)
+        itl_bad = r.itl > 1 and (s.num_itl_breaches >= policy.confirm_breaches or r.itl >= policy.severe_ratio)
+        if not (ttft_bad or itl_bad):
+            n = max(s.num_ttft_breaches, s.num_itl_breaches)
+            return _stay(s, now, f"SLO breached in {n} window(s) in a row, {policy.confirm_breaches} needed to "
+                                 f"act; {r.text}", False, _breached(r, state.tuned))
+        moves = _corrections(state.knobs, obs, r, policy, ttft_bad, itl_bad)
+        return _correct(s, policy, now, r, moves, "SLO breached")
 
     met = Condition("True", "SLOMet", f"{r.text} at {state.knobs.describe()}")
     target = state.knobs.replace(max_num_seqs=min(policy.max_num_seqs_bounds.max,
@@ -168,7 +205,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
     else:
         return _move(s, policy, now, RAISE_SEQS, target,
                      f"both p99s under {room:.0%} of their SLO, KV usage {obs.kv_usage:.0%} and "
-                     f"{obs.queued:.1f} requests waiting: {r.text}", r, met)
+                     f"{obs.queued:.1f} requests waiting: {r.text}", r, met, aim=None)
     return _stay(s, now, f"{why}; {r.text}", True, met)
 
 
@@ -183,7 +220,7 @@ def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
     text = (f"p99 TTFT {_ms(obs.ttft_p99_s)} (SLO {policy.ttft_p99_ms:g} ms), p99 ITL {_ms(obs.itl_p99_s)} "
             f"(SLO {policy.itl_p99_ms:g} ms), KV {obs.kv_usage:.0%}, {obs.queued:.1f} waiting, "
             f"{obs.num_samples} samples")
-    return _Reading(ttft, itl, max(ttft, itl), trouble, text)
+    return _Reading(ttft, itl, max(ttft, itl), trouble, text, obs.request_rate)
 
 
 def _ms(seconds: float | None) -> str:
@@ -207,24 +244,53 @@ def _back_off_seqs(k: Knobs, policy: TuningPolicy) -> tuple[str, Knobs]:
     return BACK_OFF_SEQS, k.replace(max_num_seqs=lower)
 
 
-def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy) -> list[tuple[str, Knobs]]:
-    """The moves that can cure this breach, best first."""
+AIMS = {RAISE_SEQS: "ttft", RAISE_CHUNK: "ttft", LOWER_CHUNK: "itl", BACK_OFF_SEQS: "itl"}
+
+
+def _judge(p: PendingChange, r: _Reading, obs: Observation, policy: TuningPolicy) -> str | None:
+    """Why the change behind `p` made things worse, or None when it did not."""
+    tol = 1 + policy.worse_tolerance
+    if p.before_healthy:
+        return r.trouble or f"it broke the SLO: {r.text}"
+    if r.trouble and not p.before_trouble:
+        return r.trouble
+    if p.aim == "itl" and r.itl > p.before_itl * tol:
+        return f"p99 ITL/SLO {p.before_itl:.2f} -> {r.itl:.2f}"
+    if p.aim == "ttft" and r.ttft > p.before_ttft * tol and obs.request_rate <= p.before_request_rate:
+        # a backlog keeps TTFT growing for a while after capacity was added: more throughput forgives it
+        return f"p99 TTFT/SLO {p.before_ttft:.2f} -> {r.ttft:.2f} with no more throughput"
+    if p.aim == "ttft" and p.before_itl <= 1 < r.itl:
+        return f"p99 ITL went over its SLO ({p.before_itl:.2f} -> {r.itl:.2f})"
+    if p.aim == "itl" and p.before_ttft <= 1 < r.ttft:
+        return f"p99 TTFT went over its SLO ({p.before_ttft:.2f} -> {r.ttft:.2f})"
+    return None
+
+
+def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, ttft_bad: bool,
+                 itl_bad: bool) -> list[tuple[str, Knobs]]:
+    """The moves that can cure this (confirmed) breach, best first."""
     room = 1 - policy.headroom
     chunks = _chunk_bounds(k, policy)
-    smaller_chunk = k.replace(prefill_chunk_size=chunks.clamp(math.floor(k.prefill_chunk_size / policy.chunk_factor)))
-    larger_chunk = k.replace(prefill_chunk_size=chunks.clamp(math.ceil(k.prefill_chunk_size * policy.chunk_factor)))
-    more_seqs = k.replace(max_num_seqs=policy.max_num_seqs_bounds.clamp(k.max_num_seqs + policy.seqs_step))
-    if r.itl > 1 and r.ttft <= room:  # decode steps are slow while first tokens come early: prefill stalls them
-        return [(LOWER_CHUNK, smaller_chunk), _back_off_seqs(k, policy)]
-    if r.ttft > 1 and r.itl <= room:
-        if obs.queued >= policy.min_waiting and obs.kv_usage < policy.kv_pressure:  # the batch cap makes them wait
-            return [(RAISE_SEQS, more_seqs), (RAISE_CHUNK, larger_chunk)]
-        return [(RAISE_CHUNK, larger_chunk)]  # prompts are cut into too many steps
-    return [_back_off_seqs(k, policy)]
+    smaller = (LOWER_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.floor(k.prefill_chunk_size
+                                                                                / policy.chunk_factor))))
+    larger = (RAISE_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.ceil(k.prefill_chunk_size
+                                                                              * policy.chunk_factor))))
+    more = (RAISE_SEQS, k.replace(max_num_seqs=policy.max_num_seqs_bounds.clamp(k.max_num_seqs + policy.seqs_step)))
+    fewer = _back_off_seqs(k, policy)
+    # requests wait for a place in the batch (and the KV cache could hold more): the cap is binding
+    capped = obs.queued >= policy.min_waiting and obs.kv_usage < policy.kv_pressure
+    if itl_bad and not ttft_bad:
+        # decode steps are slow; with TTFT headroom, prefill riding along in big chunks is what stalls them
+        return [smaller, fewer] if r.ttft <= room else [fewer, smaller]
+    if ttft_bad and not itl_bad:
+        if r.itl <= room:
+            return [more, larger] if capped else [larger]  # too few places in the batch, or too many steps
+        return [smaller, more] if capped else [larger]  # make ITL room before adding sequences
+    return [smaller, fewer] if capped else [fewer, smaller]  # a smaller chunk first: it costs no capacity
 
 
 def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves: list[tuple[str, Knobs]],
-             why: str) -> Decision:
+             why: str, aimed: bool = True) -> Decision:
     """Take the first move that changes something and has not failed lately; else say why none can."""
     blocked = []
     for action, target in moves:
@@ -232,7 +298,14 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves
             continue
         until = s.blocked_until(target, now)
         if until is None:
-            return _move(s, policy, now, action, target, f"{why}: {r.text}", r, _breached(r))
+            if action == BACK_OFF_SEQS:  # the setting backed off from is a ceiling for the raises that follow
+                s = dataclasses.replace(s, failed=_mark_failed(s.failed, s.knobs, now, policy, RAISE_SEQS))
+            elif target == s.previous_knobs and s.previous_action is not None:
+                # undoing the last move says it did not pay: without this, two moves that each help one p99
+                # (a larger chunk for TTFT, a smaller one for ITL) would take turns forever
+                s = dataclasses.replace(s, failed=_mark_failed(s.failed, s.knobs, now, policy, s.previous_action))
+            return _move(s, policy, now, action, target, f"{why}: {r.text}", r, _breached(r, s.tuned),
+                         aim=AIMS[action] if aimed else None)
         blocked.append(f"{action} to {target.describe()} made things worse (retry in {until - now:.0f} s)")
     if blocked:
         tuned = Condition("False", "NoBetterSetting", f"{r.text}; " + "; ".join(blocked))
@@ -243,15 +316,30 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves
     return _stay(s, now, f"{why} and no move left: {tuned.message}", r.met, tuned)
 
 
-def _breached(r: _Reading) -> Condition:
-    return Condition("False", "SLOBreached", r.trouble + "; " + r.text if r.trouble else r.text)
+def _breached(r: _Reading, previous: Condition) -> Condition:
+    """SLOBreached while correcting; once no setting was found to meet the SLO, that verdict stands through
+    the later probes until the SLO is met again, so the condition does not flap with each retry."""
+    text = r.trouble + "; " + r.text if r.trouble else r.text
+    if previous.status == "False" and previous.reason in ("NoBetterSetting", "BoundsReached"):
+        return Condition("False", previous.reason, f"{text}; trying another setting")
+    return Condition("False", "SLOBreached", text)
 
 
-def _mark_failed(failed: tuple[FailedSetting, ...], knobs: Knobs, now: float,
-                 policy: TuningPolicy) -> tuple[FailedSetting, ...]:
-    n = next((f.num_failures for f in failed if f.knobs == knobs), 0) + 1
-    entry = FailedSetting(knobs, now + policy.retry_after_s * 2 ** (n - 1), n)
-    return tuple(f for f in failed if f.knobs != knobs) + (entry,)
+# the knob each move turns and which way; a setting that failed blocks the settings beyond it that way
+DIRECTIONS = {RAISE_SEQS: ("max_num_seqs", 1), BACK_OFF_SEQS: ("max_num_seqs", -1),
+              RAISE_CHUNK: ("prefill_chunk_size", 1), LOWER_CHUNK: ("prefill_chunk_size", -1)}
+
+
+def _mark_failed(failed: tuple[FailedSetting, ...], knobs: Knobs, now: float, policy: TuningPolicy,
+                 action: str) -> tuple[FailedSetting, ...]:
+    """Add `knobs` as failed by `action`. Failures along the same knob and direction (the other knobs
+    equal) compound: each waits twice as long as the last, and the new one replaces those it covers."""
+    knob, direction = DIRECTIONS.get(action, (None, 0))
+    entry = FailedSetting(knobs, 0.0, 0, knob, direction)
+    related = [f for f in failed if f.knobs == knobs or entry.on_line_with(f)]
+    n = max((f.num_failures for f in related), default=0) + 1
+    entry = dataclasses.replace(entry, until=now + policy.retry_after_s * 2 ** (n - 1), num_failures=n)
+    return tuple(f for f in failed if not (f.knobs == knobs or entry.covers(f.knobs))) + (entry,)
 
 
 def _stay(state: TunerState, now: float, reason: str, met: bool | None, tuned: Condition) -> Decision:
@@ -259,7 +347,7 @@ def _stay(state: TunerState, now: float, reason: str, met: bool | None, tuned: C
 
 
 def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: Knobs, reason: str,
-          r: _Reading | None, tuned: Condition) -> Decision:
+          r: _Reading | None, tuned: Condition, aim: str | None = None) -> Decision:
     """A change: applied in auto mode (the next window judges it), only recommended in observe mode."""
     met = None if r is None else r.met
     if policy.mode != "auto":
@@ -267,6 +355,8 @@ def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: 
                         dataclasses.replace(s, tuned=tuned))
     pending = None
     if r is not None and action != ROLLBACK:
-        pending = PendingChange(s.knobs, r.score, r.met and r.trouble is None)
-    nxt = dataclasses.replace(s, knobs=target, last_change_time=now, pending=pending, tuned=tuned)
+        pending = PendingChange(s.knobs, action, r.met and r.trouble is None, r.trouble is not None, aim, r.ttft,
+                                r.itl, r.obs_request_rate)
+    nxt = dataclasses.replace(s, knobs=target, last_change_time=now, pending=pending, tuned=tuned,
+                              previous_knobs=s.knobs, previous_action=action)
     return Decision(action, reason, now, target, True, met, tuned, nxt)
