@@ -1,4 +1,5 @@
-"""Per-step attention inputs, built once by the model runner and shared by every layer.
+"""Per-step attention inputs, built once by the model runner and shared by every layer: the torch
+path's (AttentionMetadata: index tensors and masks for gathers) and the Triton kernels' (flat tables).
 
 The step's tokens are flattened: request r owns tokens [query_start[r], query_start[r] + num_query[r]),
 at positions [context_len[r] - num_query[r], context_len[r]). Every request attends causally to its
@@ -45,3 +46,34 @@ class MultiQuery:
     # directly, with a plain causal mask, without reading the cache back
     context_blocks: torch.Tensor | None
     mask: torch.Tensor | None
+
+
+# -- the Triton backend's metadata: flat int32 tensors the kernels index directly --------------------
+
+@dataclass
+class DecodeBatch:
+    """Single-query requests (decodes, and prefill chunks of one token)."""
+
+    token_index: torch.Tensor  # [n] row of each request's query in the flattened step
+    block_tables: torch.Tensor  # [n, width] block ids (padding columns are never read)
+    context_lens: torch.Tensor  # [n] tokens each query attends to, its own included (0: a padding row)
+    num_splits: int  # ranges each context is cut into (split-KV); 1 at large batches
+
+
+@dataclass
+class PrefillBatch:
+    """Multi-query requests (prefill chunks of any length, with or without earlier context)."""
+
+    query_start: torch.Tensor  # [m] row of each request's first query in the flattened step
+    query_lens: torch.Tensor  # [m]
+    context_lens: torch.Tensor  # [m] tokens before the chunk + the chunk
+    block_tables: torch.Tensor  # [m, width]
+    max_query_len: int
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token; -1 writes nothing
+    block_size: int
+    decode: DecodeBatch | None
+    prefill: PrefillBatch | None

@@ -10,6 +10,8 @@ from iterserve.server.engine.sampling_params import InvalidRequestError
 from iterserve.server.engine.scheduler import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -30,10 +32,20 @@ class EngineConfig:
     policy: str = "continuous"  # or "static": the no-iteration-level-batching baseline
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     seed: int = 0  # for requests sampled without a seed of their own
+    # auto: the Triton kernels on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1: tests only)
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA + Triton only); off: --enforce-eager
+    load_format: str = "auto"  # or "dummy": the config.json's shape with random weights (benchmarks)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidRequestError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidRequestError("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise InvalidRequestError("cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
         if self.policy not in POLICIES:
             raise InvalidRequestError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
         for name in ("block_size",):

@@ -11,12 +11,15 @@ from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.engine.sampling_params import InvalidRequestError
 from iterserve.server.model.loader import load_model
 from iterserve.server.model.tokenizer import load_tokenizer
+from iterserve.server.runner.backends import resolve_backend_name
 from iterserve.server.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("iterserve.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DEFAULT_KV_BYTES = 2**30
+# decode steps of more requests than this run eagerly (their graphs would cost memory and capture time)
+_MAX_GRAPH_BATCH = 512
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,8 +64,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
+    backend = resolve_backend_name(config.attention_backend, device)  # refuse before the slow load
 
-    loaded = load_model(config.model)
+    loaded = load_model(config.model, config.load_format)
     tokenizer = load_tokenizer(config.model)
     mc = loaded.config
     context_len = mc.max_position_embeddings
@@ -74,7 +78,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         )
     max_model_len = config.max_model_len or context_len
 
-    runner = ModelRunner(mc, loaded.weights, device, dtype, max_model_len, config.block_size)
+    runner = ModelRunner(mc, loaded.weights, device, dtype, max_model_len, config.block_size,
+                         attention_backend=backend, cuda_graphs=config.cuda_graphs,
+                         max_graph_batch=min(config.max_num_seqs, _MAX_GRAPH_BATCH))
     del loaded  # the runner holds its own copy of the weights now
     bytes_per_block = runner.kv_cache_bytes_per_block()
     budget = kv_cache_budget_bytes(config.kv_cache_memory, device)
@@ -97,7 +103,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     runner.allocate_kv_cache(num_blocks)
     engine.kv_cache_report = (
         f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} tokens, "
-        f"{num_blocks * bytes_per_block / 2**20:.0f} MiB ({dtype}, {device}); max_model_len {max_model_len}"
+        f"{num_blocks * bytes_per_block / 2**20:.0f} MiB ({dtype}, {device}); max_model_len {max_model_len}; "
+        f"attention {backend}{', CUDA graphs' if runner.use_cuda_graphs else ''}"
     )
     logger.info(engine.kv_cache_report)
     return engine

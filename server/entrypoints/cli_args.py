@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from iterserve.server.config import DTYPES, EngineConfig
+from iterserve.server.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
 from iterserve.server.engine.scheduler import POLICIES
 
 
@@ -24,6 +24,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests without their own")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="auto: the Triton kernels on CUDA, torch on CPU")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (CUDA with the Triton backend only)")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights in the shape of the model directory's config.json")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -40,4 +46,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         policy=args.policy,
         num_threads=args.threads,
         seed=args.engine_seed,
+        attention_backend=args.attention_backend,
+        cuda_graphs=not args.enforce_eager,
+        load_format=args.load_format,
     )

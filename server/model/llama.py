@@ -3,6 +3,11 @@
 It runs on a flattened batch: `input_ids` and `positions` are [num_tokens] across all requests of the
 step, and attention goes through the paged KV cache (see kernels/attention_metadata.py). q/k/v and
 gate/up are fused into one matmul each, which matters on CPU where every op has a fixed cost.
+
+The attention function and the layer's elementwise ops (`layer_ops`: residual add + RMSNorm, rotary,
+SwiGLU) are passed in: TorchLayerOps here on CPU, the fused Triton kernels on CUDA
+(kernels/triton_backend.py). Layers hand the residual stream on separately, as vLLM does, so the
+residual add can be fused into the next norm.
 """
 
 from __future__ import annotations
@@ -32,8 +37,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class TorchLayerOps:
+    """The layer's elementwise ops in plain torch: the CPU path."""
+
+    @staticmethod
+    def add_rms_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        if residual is not None:
+            x = x + residual
+        return norm(x), x
+
+    @staticmethod
+    def rotary(rope: RotaryEmbedding, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        return rope(positions, qk)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn, layer_ops):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -44,6 +69,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.rope = rope
         self.attention_fn = attention_fn
+        self.layer_ops = layer_ops
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
@@ -51,46 +77,52 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads are rotated together: half the small ops of rotating each
         qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.layer_ops.rotary(self.rope, positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         o = self.attention_fn(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.view(n, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_ops):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.layer_ops = layer_ops
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.layer_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn, layer_ops):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, attention_fn)
+        self.self_attn = Attention(cfg, rope, attention_fn, layer_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_ops)
+        self.layer_ops = layer_ops
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, meta):
+        """x: the previous layer's output; residual: the stream before it (None at the first layer)."""
+        h, residual = self.layer_ops.add_rms_norm(self.input_layernorm, x, residual)
+        x = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = self.layer_ops.add_rms_norm(self.post_attention_layernorm, x, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints alike."""
 
-    def __init__(self, cfg: ModelConfig, attention_fn, max_positions: int):
+    def __init__(self, cfg: ModelConfig, attention_fn, max_positions: int, layer_ops=TorchLayerOps):
         super().__init__()
         self.config = cfg
+        self.layer_ops = layer_ops
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, attention_fn) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rope, attention_fn, layer_ops) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
         # module between devices and dtypes cannot untie it.
@@ -98,14 +130,27 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        return self.layer_ops.add_rms_norm(self.norm, x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights made in place, in the parameters' own dtype and device (vLLM's "dummy" load
+        format: benchmarks of a model's shape without its checkpoint)."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.02, generator=gen)
+            elif name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.zero_()  # biases
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -25,8 +25,9 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    # HF parameter names -> float32 CPU tensors; the runner casts to its dtype/device.
-    weights: dict[str, torch.Tensor]
+    # HF parameter names -> float32 CPU tensors; the runner casts to its dtype/device. None with the
+    # "dummy" load format: the runner makes random weights on the device.
+    weights: dict[str, torch.Tensor] | None
     # The resolved .gguf file or HF directory; `load_tokenizer(path)` accepts it.
     path: str
     # Human-readable origin for logs, e.g. "gguf:/x/model.gguf".
@@ -69,8 +70,14 @@ def resolve_model_path(path: str | os.PathLike | None) -> tuple[Literal["hf", "g
     raise ValueError(f"model: {path} holds neither config.json (Hugging Face model) nor a .gguf file")
 
 
-def load_model(path: str | os.PathLike | None = None) -> LoadedModel:
+def load_model(path: str | os.PathLike | None = None, load_format: str = "auto") -> LoadedModel:
+    """load_format "dummy" reads only the config of an HF directory (no weights): benchmarks of a
+    model's shape where its checkpoint is not at hand."""
     kind, resolved = resolve_model_path(path)
+    if load_format == "dummy":
+        if kind != "hf":
+            raise ValueError(f"model: load_format dummy needs a directory with config.json; {resolved} is a GGUF file")
+        return LoadedModel(config=_read_hf_config(resolved), weights=None, path=resolved, source=f"dummy:{resolved}")
     if kind == "gguf":
         config, weights = load_gguf(resolved)
     else:
@@ -124,15 +131,19 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: 
         raise ValueError(f"model: {where} has tensors the config does not account for: {', '.join(unexpected[:5])}")
 
 
-def _load_hf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _read_hf_config(path: str) -> ModelConfig:
     config_path = os.path.join(path, "config.json")
     raw = _read_json(config_path)
     generation_path = os.path.join(path, "generation_config.json")
     generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
     try:
-        config = ModelConfig.from_hf_dict(raw, generation)
+        return ModelConfig.from_hf_dict(raw, generation)
     except ValueError as exc:
         raise ValueError(f"model: {config_path}: {exc}") from exc
+
+
+def _load_hf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    config = _read_hf_config(path)
 
     # Only the tensors the model uses are kept: checkpoints may carry extras (e.g. rotary inv_freq, or
     # lm_head.weight for a tied model), which transformers ignores as well.

@@ -1,32 +1,48 @@
-"""Runs one step's forward pass over the paged KV cache and samples the next tokens."""
+"""Runs one step's forward pass over the paged KV cache and samples the next tokens.
+
+The attention backend (server/runner/backends.py) decides the kernels: torch on CPU, Triton on CUDA.
+On CUDA with Triton, decode-only steps replay CUDA graphs (server/runner/cuda_graphs.py) unless
+`cuda_graphs` is off.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.engine.scheduler import SchedulerOutput
 from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.model_config import ModelConfig
+from iterserve.server.runner.backends import make_backend, num_sms
 from iterserve.server.runner.sampler import SamplerOutput, sample
-from iterserve.server.runner.step_inputs import prepare_step_inputs
+from iterserve.server.runner.step_inputs import step_layout, to_step_inputs
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, block_size: int, attention_fn=paged_attention):
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor] | None, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int, block_size: int, *, attention_backend: str = "torch",
+                 cuda_graphs: bool = False, max_graph_batch: int = 256):
+        """weights: HF-named tensors, or None for random ("dummy") weights made on the device."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        # Built on the meta device so no time goes into random init; weights are copied in after.
+        self.max_model_len = max_model_len
+        self.backend = make_backend(attention_backend, device, model_config.num_key_value_heads)
+        # Built on the meta device and cast there, so no time goes into random init and no full-size
+        # fp32 copy is ever made on the device; weights are copied (and rounded) in after.
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, attention_fn, max_model_len)
-        model = model.to_empty(device=device)
-        model.rope.build_cache()
-        model.load_weights(weights)
-        self.model = model.to(dtype).eval()
+            model = LlamaForCausalLM(model_config, self.backend.attention_fn, max_model_len, self.backend.layer_ops)
+        model = model.to(dtype).to_empty(device=device)
+        model.rope.build_cache()  # cos/sin stay fp32 (the Triton rotary reads them so)
+        if weights is None:
+            model.init_dummy_weights()
+        else:
+            model.load_weights(weights)
+        self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and self.backend.name == "triton"
+        self.max_graph_batch = max_graph_batch
+        self.static_decode = None
 
     def kv_cache_bytes_per_block(self) -> int:
         cfg = self.model_config
@@ -41,12 +57,34 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.static_decode = None  # graphs hold the old cache's addresses
+        if self.use_cuda_graphs:
+            self.enable_static_decode(self.max_graph_batch, capture=True)
+
+    def enable_static_decode(self, max_batch: int, capture: bool) -> None:
+        """Run decode-only steps of up to max_batch requests from static buffers, captured as CUDA
+        graphs when `capture` (CUDA only). Needs the Triton backend and an allocated KV cache."""
+        from iterserve.server.runner.cuda_graphs import StaticDecodeRunner
+
+        if self.backend.name != "triton" or not self.kv_caches:
+            raise ValueError("static decode needs the Triton backend and an allocated KV cache")
+        self.static_decode = StaticDecodeRunner(
+            self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
+            max_batch=max_batch, num_kv_heads=self.model_config.num_key_value_heads,
+            num_sms=num_sms(self.device), device=self.device, capture=capture,
+        )
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> SamplerOutput:
-        inputs = prepare_step_inputs(out, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sampling_requests:
+        layout = step_layout(out, self.block_size)
+        if self.static_decode is not None and self.static_decode.can_run(layout):
+            hidden = self.static_decode.run(layout)
+            sample_indices = torch.from_numpy(layout.sample_indices).to(self.device)
+        else:
+            inputs = to_step_inputs(layout, self.device, self.backend.build_metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            sample_indices = inputs.sample_indices
+        if not layout.sampling_requests:
             return SamplerOutput([], [], [])
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        return sample(logits, inputs.sampling_requests)
+        logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
+        return sample(logits, layout.sampling_requests)

@@ -1,7 +1,8 @@
 """Turn a SchedulerOutput into the flat tensors of one forward pass.
 
 This runs on the CPU every step, so it loops over requests once in Python and does the per-position
-work (positions, write slots, padded block tables, masks) vectorized in numpy.
+work (positions, write slots, padded block tables, masks) vectorized in numpy. The layout of the step
+(host arrays) is common to every backend; each backend builds only the device metadata it reads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from iterserve.server.engine.scheduler import SchedulerOutput
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # or the TritonAttentionMetadata of the Triton backend
     # index, in the flattened step, of the last token of each request whose computed tokens reach its
     # total this step: those requests sample their next token from that position's logits
     sample_indices: torch.Tensor
@@ -53,7 +54,24 @@ def _groups_by_context(rows: np.ndarray, context_lens: np.ndarray) -> list[np.nd
     return np.array_split(rows, num_groups)
 
 
-def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
+@dataclass
+class StepLayout:
+    """One step in host (numpy) arrays, before any backend turns it into device tensors."""
+
+    block_size: int
+    input_ids: list[int]  # [num_tokens]
+    positions: np.ndarray  # [num_tokens]
+    slots: np.ndarray  # [num_tokens] cache slot of each new token
+    starts: np.ndarray  # [num_reqs] index of each request's first token in the flattened step
+    num_new: np.ndarray  # [num_reqs] tokens each request computes this step
+    computed: np.ndarray  # [num_reqs] tokens each request had computed before
+    ends: np.ndarray  # [num_reqs] context length after this step (computed + num_new)
+    tables: np.ndarray  # [num_reqs, longest] block tables, zero-padded
+    sample_indices: np.ndarray
+    sampling_requests: list[Request]
+
+
+def step_layout(out: SchedulerOutput, block_size: int) -> StepLayout:
     bs = block_size
     reqs = out.scheduled_requests
     num_reqs = len(reqs)
@@ -75,8 +93,18 @@ def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.dev
     # Requests whose computed tokens reach their total sample a token from their last position.
     totals = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=num_reqs)
     sampling = np.flatnonzero(ends == totals)
-    sample_indices = starts[sampling] + num_new[sampling] - 1
+    return StepLayout(
+        block_size=bs, input_ids=input_ids, positions=positions, slots=slots, starts=starts, num_new=num_new,
+        computed=computed, ends=ends, tables=tables,
+        sample_indices=starts[sampling] + num_new[sampling] - 1,
+        sampling_requests=[reqs[i] for i in sampling.tolist()],
+    )
 
+
+def build_torch_metadata(layout: StepLayout, device: torch.device) -> AttentionMetadata:
+    """The torch path's metadata: single-query requests in padded groups, multi-query ones one by one."""
+    bs, tables, ends, starts, num_new, computed = (
+        layout.block_size, layout.tables, layout.ends, layout.starts, layout.num_new, layout.computed)
     single_groups = []
     for group in _groups_by_context(np.flatnonzero(num_new == 1), ends):
         ctx = ends[group]
@@ -100,17 +128,24 @@ def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.dev
         multi_queries.append(
             MultiQuery(start, n, torch.from_numpy(blocks).to(device), torch.from_numpy(mask).to(device))
         )
-
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(layout.slots).to(device),
         block_size=bs,
         single_groups=single_groups,
         multi=multi_queries,
     )
+
+
+def to_step_inputs(layout: StepLayout, device: torch.device, build_metadata=build_torch_metadata) -> StepInputs:
     return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.from_numpy(positions).to(device),
-        meta=meta,
-        sample_indices=torch.from_numpy(sample_indices).to(device),
-        sampling_requests=[reqs[i] for i in sampling.tolist()],
+        input_ids=torch.tensor(layout.input_ids, dtype=torch.long, device=device),
+        positions=torch.from_numpy(layout.positions).to(device),
+        meta=build_metadata(layout, device),
+        sample_indices=torch.from_numpy(layout.sample_indices).to(device),
+        sampling_requests=layout.sampling_requests,
     )
+
+
+def prepare_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
+                        build_metadata=build_torch_metadata) -> StepInputs:
+    return to_step_inputs(step_layout(out, block_size), device, build_metadata)
