@@ -67,7 +67,8 @@ def flaky_app(behaviour, token_delay: float = 0.0) -> tuple[FastAPI, list[int]]:
                 yield chunk("x", "length" if i == n - 1 else None)
                 sent += 1
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": sent, "total_tokens": sent}
-            yield "data: " + json.dumps({"id": "c", "object": "text_completion", "choices": [], "usage": usage}) + "\n\n"
+            closing = {"id": "c", "object": "text_completion", "choices": [], "usage": usage}
+            yield "data: " + json.dumps(closing) + "\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -39,7 +39,8 @@ def register(sub) -> None:
     w.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early")
     w.add_argument("--temperature", type=float, default=0.0)
     ld = p.add_argument_group("load")
-    ld.add_argument("--requests", type=int, default=100, help="requests per load level")
+    ld.add_argument("--requests", type=int, help="requests per load level (default 100, or no limit with "
+                                                 "--duration)")
     ld.add_argument("--duration", type=float, help="stop sending after this many seconds per load level")
     ld.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
     ld.add_argument("--rate", help="open loop: requests/s (Poisson arrivals; inf: all at once)")
@@ -106,8 +107,9 @@ def config_from_args(args: argparse.Namespace):
         if not sep or not key:
             raise ValueError(f"--setting: write KEY=VALUE, got {item!r}")
         settings[key] = value
+    num_requests = args.requests if args.requests is not None else (None if args.duration else 100)
     return BenchConfig(url=args.url, workload=workload, model=args.model, endpoint=args.endpoint,
-                       num_requests=args.requests, duration_s=args.duration, concurrency=concurrency, rate=rate,
+                       num_requests=num_requests, duration_s=args.duration, concurrency=concurrency, rate=rate,
                        burstiness=args.burstiness, sweep=sweep, timeout_s=args.timeout, api_key=args.api_key,
                        admin_token=args.admin_token, metrics_interval_s=args.metrics_interval,
                        slo_ms=parse_slo(args.slo), settings=settings, temperature=args.temperature)
