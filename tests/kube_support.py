@@ -99,6 +99,7 @@ class KubeCluster:
     def stop(self) -> None:
         for process in reversed(self.processes):
             process.stop()
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)  # 60+ MB of preallocated WAL; logs stay
 
     def logs(self) -> str:
         return "\n".join(process.log_tail() for process in self.processes)

@@ -71,6 +71,8 @@ class LocalKubelet:
         self.client = cluster.api_client()
         self.core = kubernetes.client.CoreV1Api(self.client)
         self._runners: dict[tuple[str, str], _PodRunner] = {}
+        # Kept after a pod is gone, for the test to inspect: what each pod's process did.
+        self.pod_states: dict[tuple[str, str], PodState] = {}
         self.exit_codes: dict[tuple[str, str], list[int]] = {}  # every exit of each pod's process, in order
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -106,10 +108,10 @@ class LocalKubelet:
         self.stop()
 
     def restarts(self, namespace: str, name: str) -> int:
-        return self._runners[(namespace, name)].state.restarts
+        return self.pod_states[(namespace, name)].restarts
 
     def pod_host(self, namespace: str, name: str) -> str | None:
-        return self._runners[(namespace, name)].host
+        return self.pod_states[(namespace, name)].host
 
     def log_path(self, namespace: str, name: str) -> Path:
         return self.log_dir / f"{namespace}_{name}.log"
@@ -194,9 +196,13 @@ class _PodRunner(threading.Thread):
         self.uid = pod["metadata"]["uid"]
         self.container = main_container(pod)
         self.probe_path, self.port = readiness_target(self.container)
+        self.failure_threshold = (self.container.get("readinessProbe") or {}).get("failureThreshold", 3)
+        self._probe_failures = 0
+        self._bound = False
         self.host: str | None = None
         self.process: DaemonProcess | None = None
         self.state = PodState(container_name=self.container["name"], image=self.container.get("image", ""))
+        kubelet.pod_states[(self.namespace, self.name)] = self.state
         self._next_start = 0.0
         self._written: dict | None = None
         self._wake = threading.Event()
@@ -216,48 +222,58 @@ class _PodRunner(threading.Thread):
 
     def run(self) -> None:
         try:
-            self._bind()
             with httpx.Client(trust_env=False, timeout=1.0) as http:
                 while not (self._shutdown or self._gone or self.pod["metadata"].get("deletionTimestamp")):
                     if self.state.phase in ("Succeeded", "Failed"):
                         break
-                    self._step(http)
+                    try:
+                        self._step(http)
+                    except Exception as e:  # an API hiccup must not kill the pod: try again next round
+                        print(f"kubelet stand-in: pod {self.namespace}/{self.name}: {e!r}", file=sys.stderr)
                     self._wake.wait(0.5 if self.state.ready else 0.2)
                     self._wake.clear()
             self._stop_process()
             if not self._shutdown and self.pod["metadata"].get("deletionTimestamp") and not self._gone:
                 self._remove_object()
-        except Exception as e:
-            print(f"kubelet stand-in: pod {self.namespace}/{self.name} failed: {e!r}", file=sys.stderr)
-            self._stop_process()
         finally:
+            self._stop_process()
             self.kubelet._forget(self)
 
     def _bind(self) -> None:
-        if self.pod["spec"].get("nodeName"):
-            return
         binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": self.name, "namespace": self.namespace},
                    "target": {"apiVersion": "v1", "kind": "Node", "name": self.kubelet.node_name}}
-        try:  # no _preload_content: the client cannot parse a Binding answer (its `target` is unset)
+        try:  # _preload_content=False: the client cannot parse the answer (a Binding without `target`)
             self.kubelet.core.create_namespaced_pod_binding(self.name, self.namespace, binding,
                                                             _preload_content=False)
         except kubernetes.client.ApiException as e:
-            if e.status != 409:  # already bound
+            if e.status != 409:  # 409: already bound
                 raise
+        self._bound = True
 
     def _step(self, http) -> None:
+        if not (self._bound or self.pod["spec"].get("nodeName")):
+            self._bind()
         if self.process is None and time.monotonic() >= self._next_start:
             self._start_process()
         elif self.process is not None and (code := self.process.exit_code()) is not None:
             self._process_exited(code)
-        ready = False
-        if self.process is not None:
-            try:
-                ready = http.get(f"http://{self.host}:{self.port}{self.probe_path}").status_code == 200
-            except httpx.HTTPError:
-                ready = False
-        self.state.set_ready(ready)
+        self.state.set_ready(self._probe(http))
         self._write_status()
+
+    def _probe(self, http) -> bool:
+        """Ready while the probe answers 200; not ready once it failed failureThreshold times in a row
+        (as a kubelet does, so one slow answer on a busy machine does not flap the pod)."""
+        if self.process is None:
+            self._probe_failures = 0
+            return False
+        try:
+            if http.get(f"http://{self.host}:{self.port}{self.probe_path}").status_code == 200:
+                self._probe_failures = 0
+                return True
+        except httpx.HTTPError:
+            pass
+        self._probe_failures += 1
+        return self.state.ready and self._probe_failures < self.failure_threshold
 
     def _start_process(self) -> None:
         self.host = self.host or allocate_host(self.port)

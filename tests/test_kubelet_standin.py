@@ -80,7 +80,7 @@ def test_deployment_pod_runs_as_a_local_server(kube_cluster, kube_namespace, tin
         pod = wait_until(lambda: ready_pod(core, kube_namespace, min_restarts=1), timeout=120,
                          what="the crashed server to be restarted and Ready")
         assert (pod.metadata.name, pod.status.pod_ip) == (name, pod_ip)
-        assert kubelet.restarts(kube_namespace, name) == 1
+        assert kubelet.restarts(kube_namespace, name) == 1 and kubelet.pod_host(kube_namespace, name) == pod_ip
         assert pod.status.container_statuses[0].last_state.terminated.exit_code == 128 + signal.SIGKILL
         second_pid = int(pod.status.container_statuses[0].container_id.removeprefix("local://"))
 
