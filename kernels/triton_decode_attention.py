@@ -22,7 +22,7 @@ _MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("num_splits", "bt_stride"))
 def _decode_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                    token_index_ptr, block_tables_ptr, context_lens_ptr,
                    part_out_ptr, part_lse_ptr,
@@ -75,7 +75,7 @@ def _decode_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("num_splits",))
 def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, token_index_ptr, num_splits,
                   out_stride_tok, out_stride_head,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):

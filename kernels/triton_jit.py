@@ -9,15 +9,26 @@ from __future__ import annotations
 
 
 class LazyJit:
-    def __init__(self, fn):
+    def __init__(self, fn, do_not_specialize: tuple[str, ...] = ()):
         self.fn = fn
+        self.do_not_specialize = do_not_specialize
         self.jitted = None
 
     def jit(self):
         if self.jitted is None:
+            import inspect
+
             import triton
 
-            self.jitted = triton.jit(self.fn)
+            options = {}
+            if self.do_not_specialize:
+                # integer arguments that change from step to step: compiling a variant for each value
+                # class (== 1, divisible by 16) would cost seconds in the middle of serving
+                names = list(self.do_not_specialize)
+                options["do_not_specialize"] = names
+                if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+                    options["do_not_specialize_on_alignment"] = names
+            self.jitted = triton.jit(self.fn, **options)
             # A kernel resolves the functions it calls through its module's globals at compile time:
             # there every lazy name (its own, and helpers imported from other modules) must be jitted.
             module_globals = self.fn.__globals__
@@ -30,7 +41,10 @@ class LazyJit:
         return self.jit()[grid]
 
 
-def lazy_jit(fn) -> LazyJit:
+def lazy_jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """`@lazy_jit` or `@lazy_jit(do_not_specialize=("arg", ...))`."""
+    if fn is None:
+        return lambda f: LazyJit(f, do_not_specialize)
     return LazyJit(fn)
 
 

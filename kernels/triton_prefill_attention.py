@@ -21,7 +21,7 @@ from iterserve.kernels.triton_jit import interpreting, lazy_jit, next_power_of_2
 _LOG2E = 1.4426950408889634
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("bt_stride",))
 def _prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                     query_start_ptr, query_lens_ptr, context_lens_ptr, block_tables_ptr,
                     qk_scale,

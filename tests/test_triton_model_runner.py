@@ -108,3 +108,39 @@ def test_pad_decode_step_pads_rows_that_write_and_read_nothing():
     prefill.num_new = np.array([1, 2])
     with pytest.raises(ValueError):
         pad_decode_step(prefill, 4)
+
+
+def test_dummy_load_format_builds_the_configs_shape_with_random_weights(tmp_path, tiny_llama):
+    import shutil
+
+    shutil.copy(f"{tiny_llama[0]}/config.json", tmp_path / "config.json")  # no weights at all
+    engine = make_engine(str(tmp_path), load_format="dummy")
+    model = engine.model_runner.model
+    assert model.layers[0].self_attn.qkv_proj.weight.std().item() == pytest.approx(0.02, rel=0.2)
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+    assert engine.tokenizer is None
+    out = generate(engine, [([1, 2, 3], 4)])
+    assert len(out[0][0]) == 4
+
+
+@pytest.mark.parametrize("field, value", [
+    ("attention_backend", "cuda"), ("load_format", "safetensors"), ("cuda_graphs", "yes"),
+])
+def test_engine_config_refuses_bad_backend_options(field, value):
+    from iterserve.server.config import EngineConfig
+
+    with pytest.raises(InvalidRequestError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_cli_flags_reach_the_engine_config():
+    import argparse
+
+    from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(
+        ["--attention-backend", "triton", "--enforce-eager", "--load-format", "dummy"]))
+    assert (config.attention_backend, config.cuda_graphs, config.load_format) == ("triton", False, "dummy")
+    assert engine_config_from_args(parser.parse_args([])).cuda_graphs is True
