@@ -18,13 +18,17 @@ if cached_binaries_run; then
   exit 0
 fi
 
-# apt-get source needs a deb-src entry for bookworm main; Debian images ship only binary entries.
-if ! apt-get indextargets --format '$(CREATED_BY)' 2>/dev/null | grep -qx Sources; then
+# apt-get source needs a deb-src entry for bookworm main (Debian images ship only binary entries) and
+# its package lists downloaded.
+known_source=$(apt-cache showsrc --only-source kubernetes 2>/dev/null || true)
+if [ -z "$known_source" ]; then
   if [ "$(id -u)" -ne 0 ]; then
-    echo "build_kube.sh: no deb-src entry for apt; run as root once, or add one for bookworm main" >&2
+    echo "build_kube.sh: apt knows no source package 'kubernetes'; run as root once, or add a deb-src" \
+      "entry for bookworm main and run apt-get update" >&2
     exit 1
   fi
-  cat > /etc/apt/sources.list.d/iterserve-deb-src.sources <<'SOURCES'
+  if ! grep -rqs deb-src /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    cat > /etc/apt/sources.list.d/iterserve-deb-src.sources <<'SOURCES'
 # Added by iterserve scripts/build_kube.sh to build kube-apiserver from Debian's kubernetes source.
 Types: deb-src
 URIs: http://deb.debian.org/debian
@@ -32,13 +36,13 @@ Suites: bookworm
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SOURCES
+  fi
   apt-get update -q
 fi
 
 mkdir -p "$cache/bin"
 work=$(mktemp -d "$cache/build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-chmod 755 "$work"  # apt-get source downloads as user _apt when it can write here
 cd "$work"
 apt-get source --download-only kubernetes
 dpkg-source -x kubernetes_*.dsc src
