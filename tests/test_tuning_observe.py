@@ -1,0 +1,150 @@
+"""Observations from scrapes: PromQL's histogram_quantile on a table of buckets, windows over successive
+scrapes of text rendered by prometheus-client with the server's metric names and buckets, pods merged by
+summing buckets, and a pod restart (counters reset) counted from zero."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from iterserve.operator.tuning.histograms import histogram_quantile
+from iterserve.operator.tuning.observe import observation_from_scrapes, parse_scrape, window_scrapes
+from iterserve.operator.tuning.prometheus import instance_selector, promql_queries
+
+INF = math.inf
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+
+
+@pytest.mark.parametrize("q, buckets, want", [
+    (0.5, {1: 0, 2: 10, INF: 10}, 1.5),  # interpolated inside (1, 2]
+    (0.99, {1: 0, 2: 10, INF: 10}, 1.99),
+    (0.5, {1: 10, 2: 10, INF: 10}, 0.5),  # the first bucket interpolates from 0
+    (0.99, {1: 5, 2: 5, INF: 10}, 2.0),  # rank in +Inf: the highest finite bound
+    (0.5, {0.1: 2, 0.2: 6, 0.4: 10, INF: 10}, 0.175),
+    (0.5, {1: 4, 2: 3, INF: 8}, 1.0),  # non-monotonic counts (rates of buckets crossed) are made monotonic
+    (0.99, {1: 0, 2: 0, INF: 0}, None),  # no observation: NaN in PromQL
+    (0.99, {1: 3, 2: 5}, None),  # no +Inf bucket
+    (0.99, {INF: 5}, None),  # fewer than two buckets
+    (0.5, {-1: 2, 1: 4, INF: 4}, -1),  # rank in a first bucket with a bound <= 0: that bound
+])
+def test_histogram_quantile_matches_promql(q, buckets, want):
+    got = histogram_quantile(q, buckets)
+    assert got == pytest.approx(want) if want is not None else got is None
+
+
+class FakePodMetrics:
+    """A pod's /metrics as the server renders it: prometheus-client, vLLM's names, labels and buckets."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        lv = dict(model_name="m", engine="0")
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "", list(lv), buckets=TTFT_BUCKETS,
+                              registry=r).labels(**lv)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "", list(lv), buckets=ITL_BUCKETS,
+                             registry=r).labels(**lv)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "", list(lv), buckets=[0.5, 1, 5],
+                               registry=r).labels(**lv)
+        success = Counter("vllm:request_success", "", list(lv) + ["finished_reason"], registry=r)
+        self.stop = success.labels(**lv, finished_reason="stop")
+        self.length = success.labels(**lv, finished_reason="length")
+        self.tokens = Counter("vllm:generation_tokens", "", list(lv), registry=r).labels(**lv)
+        self.preemptions = Counter("vllm:num_preemptions", "", list(lv), registry=r).labels(**lv)
+        self.failures = Counter("iterserve:engine_step_failures", "", ["model_name"], registry=r).labels("m")
+        self.waiting = Gauge("vllm:num_requests_waiting", "", list(lv), registry=r).labels(**lv)
+        self.kv = Gauge("vllm:kv_cache_usage_perc", "", list(lv), registry=r).labels(**lv)
+
+    def requests(self, n: int, ttft: float, itl: float, queue: float = 0.0) -> None:
+        for i in range(n):
+            self.ttft.observe(ttft)
+            self.itl.observe(itl)
+            self.queue.observe(queue)
+            (self.stop if i % 2 else self.length).inc()
+            self.tokens.inc(10)
+
+    def scrape(self, t: float):
+        return parse_scrape(generate_latest(self.registry).decode(), t)
+
+
+def test_window_over_scrapes_of_one_pod():
+    pod = FakePodMetrics()
+    pod.requests(50, ttft=3.0, itl=0.3)  # before the window: must not count
+    scrapes = [pod.scrape(0.0)]
+    pod.waiting.set(4)
+    pod.kv.set(0.5)
+    pod.requests(100, ttft=0.05, itl=0.02, queue=0.2)
+    pod.preemptions.inc(3)
+    scrapes.append(pod.scrape(10.0))
+    pod.waiting.set(0)
+    pod.kv.set(0.3)
+    scrapes.append(pod.scrape(20.0))
+    obs = observation_from_scrapes({"http://a": window_scrapes(scrapes, 20.0, 20.0, None)}, 20.0)
+    assert obs.num_pods == 1 and obs.num_samples == 100 and obs.window_s == 20
+    assert 0.04 < obs.ttft_p99_s <= 0.06 and 0.01 < obs.itl_p99_s <= 0.025
+    assert obs.request_rate == pytest.approx(5.0) and obs.generation_token_rate == pytest.approx(50.0)
+    assert obs.preemption_rate == pytest.approx(0.15) and obs.error_rate == 0
+    assert obs.waiting == pytest.approx(4 / 3) and obs.kv_usage == pytest.approx(0.8 / 3)  # gauges: scrape means
+    assert obs.queue_time_mean_s == pytest.approx(0.2)
+
+
+def test_window_never_reaches_back_past_a_change():
+    pod = FakePodMetrics()
+    scrapes = [pod.scrape(0.0)]
+    pod.requests(40, ttft=4.0, itl=0.3)  # under the old knobs
+    scrapes.append(pod.scrape(10.0))  # the change happened just after this scrape
+    pod.requests(40, ttft=0.05, itl=0.02)
+    scrapes.append(pod.scrape(20.0))
+    whole = observation_from_scrapes({"a": window_scrapes(scrapes, 20.0, 30.0, None)}, 20.0)
+    after = observation_from_scrapes({"a": window_scrapes(scrapes, 20.0, 30.0, since=9.0)}, 20.0)
+    assert whole.num_samples == 80 and whole.ttft_p99_s > 2.5
+    assert after.num_samples == 40 and after.ttft_p99_s <= 0.06
+    # nothing taken after the change yet: no window at all
+    assert window_scrapes(scrapes, 20.0, 30.0, since=20.0) == []
+
+
+def test_pods_merge_by_summing_buckets():
+    fast, slow = FakePodMetrics(), FakePodMetrics()
+    windows = {}
+    for url, pod, ttft in (("a", fast, 0.05), ("b", slow, 0.9)):
+        first = pod.scrape(0.0)
+        pod.requests(90 if url == "a" else 10, ttft=ttft, itl=0.02)
+        pod.kv.set(0.9 if url == "b" else 0.1)
+        windows[url] = [first, pod.scrape(10.0)]
+    obs = observation_from_scrapes(windows, 10.0)
+    assert obs.num_pods == 2 and obs.num_samples == 100
+    assert obs.request_rate == pytest.approx(10.0)
+    assert 0.75 < obs.ttft_p99_s <= 1.0  # the slow pod's 10% dominate the merged p99
+    assert obs.kv_usage == pytest.approx(0.45)  # the fuller pod: its mean over the window
+
+
+def test_pod_restart_counts_from_zero():
+    pod = FakePodMetrics()
+    pod.requests(500, ttft=0.05, itl=0.02)
+    before = pod.scrape(0.0)
+    restarted = FakePodMetrics()  # a new process: every counter starts again
+    restarted.requests(30, ttft=0.9, itl=0.2)
+    after = restarted.scrape(10.0)
+    obs = observation_from_scrapes({"a": [before, after]}, 10.0)
+    assert obs.num_samples == 30 and obs.request_rate == pytest.approx(3.0)
+    assert 0.75 < obs.ttft_p99_s <= 1.0
+
+
+def test_too_few_scrapes_give_no_rates_yet():
+    pod = FakePodMetrics()
+    pod.requests(10, ttft=0.05, itl=0.02)
+    obs = observation_from_scrapes({"a": [pod.scrape(0.0)]}, 0.0)
+    assert obs.num_samples == 0 and obs.ttft_p99_s is None and obs.request_rate == 0
+    assert observation_from_scrapes({}, 0.0) is None
+    unreadable = observation_from_scrapes({"a": []}, 5.0, errors=["a/metrics: ConnectError"])
+    assert unreadable.num_pods == 0 and unreadable.errors == ("a/metrics: ConnectError",)
+
+
+def test_promql_selects_the_pods_and_quotes_the_regex():
+    sel = instance_selector(["http://10.0.0.7:8000", "http://10.0.0.8:8000/"])
+    assert sel == 'instance=~"10\\\\.0\\\\.0\\\\.7:8000|10\\\\.0\\\\.0\\\\.8:8000"'
+    q = promql_queries('service="chat"', "60000ms")
+    assert q["ttft_p99_s"] == ('histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket'
+                               '{service="chat"}[60000ms])))')
+    assert q["kv_usage"].startswith("max(avg_over_time(vllm:kv_cache_usage_perc{")
