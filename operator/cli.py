@@ -15,7 +15,7 @@ def register(sub) -> None:
                                    "Cluster access from KUBECONFIG, else the in-cluster service account.")
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
-                       help="watch only this namespace (repeatable; globs as in kopf)")
+                       help="watch only this namespace (repeatable)")
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
     p.add_argument("--standalone", action="store_true",
                    help="no leader election: only for a single replica (e.g. on a laptop)")
@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"iterserve operator: error: {e}")
         return 2
     kopf.configure(verbose=args.verbose)
-    memo = kopf.Memo(prometheus_url=args.prometheus_url)
     namespaces = args.namespace
+    memo = kopf.Memo(prometheus_url=args.prometheus_url, namespaces=namespaces)
 
     def operate() -> None:
         kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces, memo=memo)

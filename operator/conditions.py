@@ -36,8 +36,9 @@ def set_condition(conditions: list[dict] | None, type_: str, status: bool | str 
     old = get_condition(conditions, type_)
     transition = old["lastTransitionTime"] if old and old.get("status") == status and old.get(
         "lastTransitionTime") else (now or now_iso())
-    new = {"type": type_, "status": status, "reason": reason, "message": message,
-           "lastTransitionTime": transition}
+    new = {"type": type_, "status": status, "reason": reason, "lastTransitionTime": transition}
+    if message:  # omitted when empty: Kubernetes 1.20 refused a status merge patch with "" here as null
+        new["message"] = message
     if observed_generation is not None:
         new["observedGeneration"] = observed_generation
     out = [new if c.get("type") == type_ else c for c in conditions or ()]

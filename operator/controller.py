@@ -15,7 +15,7 @@ from kubernetes.client.exceptions import ApiException
 
 from iterserve.operator.builders.configmap import knobs_from_configmap
 from iterserve.operator.builders.labels import knobs_configmap_name
-from iterserve.operator.conditions import DEGRADED, get_condition, now_iso, transitions
+from iterserve.operator.conditions import DEGRADED, TUNED, get_condition, now_iso, set_condition, transitions
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.reconcile import Change, reconcile, short_error
@@ -25,12 +25,12 @@ from iterserve.operator.status import Observation, compute_status
 API_VERSION = f"{GROUP}/{VERSION}"
 MAX_STATUS_RETRIES = 5
 
-_locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+_locks: dict[tuple[str, str], threading.RLock] = defaultdict(threading.RLock)
 _locks_guard = threading.Lock()
 
 
-def object_lock(namespace: str, name: str) -> threading.Lock:
-    """The lock that serializes every writer of one LLMService's children, knobs and status."""
+def object_lock(namespace: str, name: str) -> threading.RLock:
+    """The (re-entrant) lock that serializes every writer of one LLMService's children, knobs and status."""
     with _locks_guard:
         return _locks[(namespace, name)]
 
@@ -44,28 +44,51 @@ class Result:
     gone: bool = False  # the LLMService was deleted meanwhile
 
 
-def write_status(kube: Kube, namespace: str, name: str, obs: Observation) -> tuple[list[dict], bool]:
-    """Merge the operator's part of the status in, guarded by resourceVersion so that a concurrent
-    writer of the tuner's part is never overwritten. Returns (condition transitions, gone)."""
+def patch_status(kube: Kube, namespace: str, name: str, compute) -> tuple[dict, dict] | None:
+    """Read-modify-write of the status, guarded by resourceVersion so that concurrent writers (the
+    reconcile and the tuner own different fields) never overwrite each other. `compute(current_status)`
+    returns the fields to merge in. Returns (before, patch), or None when the LLMService is gone."""
     for _ in range(MAX_STATUS_RETRIES):
         current = kube.get_llmservice(namespace, name)
         if current is None or current["metadata"].get("deletionTimestamp"):
-            return [], True
+            return None
         before = current.get("status") or {}
-        status = compute_status(obs, before, now_iso())
-        if all(before.get(key) == value for key, value in status.items()):
-            return [], False  # nothing new: no write, no watch event
-        patch = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "status": status}
+        fields = compute(before)
+        if all(before.get(key) == value for key, value in fields.items()):
+            return before, {}  # nothing new: no write, no watch event
+        patch = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "status": fields}
         try:
             kube.merge_patch(API_VERSION, KIND, namespace, name, patch, subresource="status")
         except ApiException as e:
             if is_status(e, 409):
                 continue
             if is_status(e, 404):
-                return [], True
+                return None
             raise
-        return transitions(before.get("conditions"), status["conditions"]), False
+        return before, fields
     raise RuntimeError(f"status of {namespace}/{name}: still conflicting after {MAX_STATUS_RETRIES} tries")
+
+
+def write_status(kube: Kube, namespace: str, name: str, obs: Observation) -> tuple[list[dict], bool]:
+    """The operator's part of the status. Returns (condition transitions, gone)."""
+    written = patch_status(kube, namespace, name, lambda before: compute_status(obs, before, now_iso()))
+    if written is None:
+        return [], True
+    before, fields = written
+    return (transitions(before.get("conditions"), fields["conditions"]) if fields else []), False
+
+
+def write_tuning_status(kube: Kube, namespace: str, name: str, fields: dict, tuned: dict) -> bool:
+    """The tuner's part of the status (e.g. `TuningRecord.status()`; None removes a field) and its Tuned
+    condition (type, status, reason, message), lastTransitionTime kept while its status holds.
+    False when the LLMService is gone."""
+    def compute(before: dict) -> dict:
+        conditions = set_condition(before.get("conditions"), TUNED, tuned["status"], tuned["reason"],
+                                   tuned.get("message", ""), observed_generation=before.get("observedGeneration"))
+        return {**fields, "conditions": conditions}
+
+    with object_lock(namespace, name):
+        return patch_status(kube, namespace, name, compute) is not None
 
 
 def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0) -> Result:

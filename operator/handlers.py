@@ -34,8 +34,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="iterserve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="iterserve.io", key="last-handled-configuration")
-    settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's add only failures
+    # our own Events say what happened (kopf.event, unfiltered); kopf's log-based ones only for failures
+    settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
+    # Watching chosen namespaces: take their names as given rather than list the cluster's namespaces,
+    # which would need cluster-wide rights on namespaces for nothing.
+    settings.scanning.disabled = bool(getattr(memo, "namespaces", None))
     if getattr(memo, "kube", None) is None:
         kubernetes.config.load_config()
         memo.kube = Kube(kubernetes.client.ApiClient())
@@ -45,12 +49,13 @@ def _report(body, result: controller.Result, *, drift: bool) -> None:
     for change in result.changes:
         reason = {"created": "Created", "deleted": "Deleted", "live": "KnobsApplied"}.get(
             change.action, "DriftRepaired" if drift else "Updated")
-        kopf.info(body, reason=reason, message=str(change))
+        kopf.event(body, type="Normal", reason=reason, message=str(change))
     for condition in result.transitions:
-        post = kopf.warn if condition["type"] == "Degraded" and condition["status"] == "True" else kopf.info
+        bad = condition["type"] == "Degraded" and condition["status"] == "True"
         message = f"{condition['type']}={condition['status']}"
-        post(body, reason=condition["reason"], message=message + (f": {condition['message']}"
-                                                                   if condition.get("message") else ""))
+        if condition.get("message"):
+            message += f": {condition['message']}"
+        kopf.event(body, type="Warning" if bad else "Normal", reason=condition["reason"], message=message)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -60,11 +65,10 @@ def reconcile_llmservice(body, memo: kopf.Memo, logger, **_) -> None:
     result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
     _report(body, result, drift=False)
     if result.spec_error is not None:
-        kopf.warn(body, reason="InvalidSpec", message=str(result.spec_error))
+        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(result.spec_error))
         raise kopf.PermanentError(f"invalid spec: {result.spec_error}")  # retried when the spec changes
     if result.problems and not result.gone:
-        for problem in result.problems:
-            kopf.warn(body, reason="ReconcileFailed", message=problem)
+        # status (Degraded) and the Degraded Event carry the details; kopf retries the whole pass
         raise kopf.TemporaryError("; ".join(result.problems), delay=RETRY_DELAY_SECONDS)
 
 

@@ -18,6 +18,7 @@ FIELD_MANAGER = "iterserve-operator"
 PLURALS = {
     "Deployment": "deployments", "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
     "PodDisruptionBudget": "poddisruptionbudgets", "Pod": "pods", "Event": "events", "Lease": "leases",
+    "ReplicaSet": "replicasets",
     KIND: PLURAL,
 }
 MERGE_PATCH = "application/merge-patch+json"

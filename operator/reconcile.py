@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
 
-from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap
+from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap, spec_knobs_recorded
 from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION, build_deployment
 from iterserve.operator.builders.labels import HTTP_PORT, admin_secret_name, knobs_configmap_name, selector_string
 from iterserve.operator.builders.pdb import build_pdb
 from iterserve.operator.builders.secret import admin_token_of, build_admin_secret, new_admin_token, token_digest
 from iterserve.operator.builders.service import build_service
 from iterserve.operator.drift import differences, foreign_owner
-from iterserve.operator.knobs import describe_change, plan_knobs
+from iterserve.operator.knobs import KnobPlan, describe_change, plan_knobs
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.spec import LLMService
 from iterserve.operator.tuning.act import PodCallError, get_scheduler, patch_scheduler
@@ -115,12 +115,24 @@ def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
 
 def ensure_knobs(kube: Kube, svc: LLMService, out: Outcome) -> dict[str, int]:
     """Write the knobs to have in force (operator/knobs.py decides) into ConfigMap <name>-knobs."""
+    return _write_knobs(kube, svc, out, lambda current: plan_knobs(svc, current), keep_recorded=False)
+
+
+def set_tuned_knobs(kube: Kube, svc: LLMService, knobs: dict[str, int]) -> None:
+    """For the tuner (its `apply_knobs`): put `knobs` in force in ConfigMap <name>-knobs, so that new pods
+    start with them. Keeps the recorded spec knobs, so a spec edit not yet reconciled is still seen as
+    one. Raises ApiException or RuntimeError when the write did not happen."""
+    _write_knobs(kube, svc, Outcome(), lambda current: KnobPlan(dict(knobs), "tuner"), keep_recorded=True)
+
+
+def _write_knobs(kube: Kube, svc: LLMService, out: Outcome, choose, *, keep_recorded: bool) -> dict[str, int]:
     name = knobs_configmap_name(svc.name)
     for _ in range(MAX_CONFLICT_RETRIES):
         current = kube.get("v1", "ConfigMap", svc.namespace, name)
         _check_ours(current, svc)
-        plan = plan_knobs(svc, current)
-        desired = build_knobs_configmap(svc, plan.knobs)
+        plan = choose(current)
+        recorded = spec_knobs_recorded(current) if keep_recorded else None
+        desired = build_knobs_configmap(svc, plan.knobs, recorded or svc.engine.knobs)
         try:
             if current is None:
                 kube.create(desired)

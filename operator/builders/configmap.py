@@ -45,11 +45,12 @@ def spec_knobs_recorded(configmap: dict | None) -> dict[str, int] | None:
     return recorded if isinstance(recorded, dict) else None
 
 
-def build_knobs_configmap(svc: LLMService, knobs: dict[str, int]) -> dict:
-    spec_knobs = json.dumps(svc.engine.knobs, sort_keys=True, separators=(",", ":"))
+def build_knobs_configmap(svc: LLMService, knobs: dict[str, int], spec_knobs: dict[str, int] | None = None) -> dict:
+    """`spec_knobs`: what to record as spec.engine's knobs (default: the current spec's)."""
+    recorded = json.dumps(spec_knobs or svc.engine.knobs, sort_keys=True, separators=(",", ":"))
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": child_metadata(svc, knobs_configmap_name(svc.name), {SPEC_KNOBS_ANNOTATION: spec_knobs}),
+        "metadata": child_metadata(svc, knobs_configmap_name(svc.name), {SPEC_KNOBS_ANNOTATION: recorded}),
         "data": {configmap_key(knob): str(knobs[knob]) for knob in KNOB_NAMES},
     }

@@ -1,0 +1,103 @@
+"""Running the operator against the test cluster: RBAC from manifests/, `iterserve operator` as a real
+subprocess with the operator's RBAC-only kubeconfig, and small readers of what it produced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from iterserve.operator.kube import Kube
+from tests.kube_processes import DaemonProcess
+from tests.kube_support import ROOT, KubeCluster, kubectl_binary, wait_until
+
+ITERSERVE = str(Path(sys.executable).parent / "iterserve")
+TIMEOUT = 90.0  # generous: the CI box is shared and each process imports kopf and kubernetes
+LLMSVC = "iterserve.io/v1alpha1"
+
+
+def rendered_manifests() -> list[dict]:
+    """`kubectl kustomize manifests/` (offline), parsed."""
+    out = subprocess.run([kubectl_binary(), "kustomize", str(ROOT / "manifests")], check=True,
+                         capture_output=True, text=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.fixture(scope="module")
+def operator_rbac(kube_cluster: KubeCluster):
+    """The manifests' namespace, CRD and RBAC, as `kubectl apply -k manifests/` installs them; not the
+    operator's Deployment: its image cannot run here, the tests run the operator as a process instead."""
+    docs = [doc for doc in rendered_manifests() if doc["kind"] != "Deployment"]
+    kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    return docs
+
+
+def start_operator(cluster: KubeCluster, namespace: str, *args: str, name: str = "operator",
+                   env: dict | None = None) -> DaemonProcess:
+    """`iterserve operator` for one namespace, as the operator's service account (only the manifests'
+    RBAC rights), with a 2 s drift-repair period."""
+    environment = {**os.environ, "KUBECONFIG": str(cluster.operator_kubeconfig), "PYTHONUNBUFFERED": "1",
+                   **(env or {})}
+    argv = [ITERSERVE, "operator", "--namespace", namespace, "--resync-seconds", "2", *args]
+    return DaemonProcess.start(f"{name} ({namespace})", argv, cluster.workdir / f"{namespace}-{name}.log",
+                               env=environment)
+
+
+def log_of(process: DaemonProcess) -> str:
+    return process.log_path.read_text(errors="replace")
+
+
+def assert_no_denials(process: DaemonProcess) -> None:
+    """The manifests' RBAC was enough: the API server refused the operator nothing."""
+    log = log_of(process)
+    assert "forbidden" not in log.lower() and "403" not in log, process.log_tail(60)
+
+
+def apply_llmservice(cluster: KubeCluster, namespace: str, name: str, spec: dict, *,
+                     check: bool = True) -> subprocess.CompletedProcess:
+    body = {"apiVersion": LLMSVC, "kind": "LLMService", "metadata": {"name": name, "namespace": namespace},
+            "spec": spec}
+    # --validate=false: the API server's schema is what is under test, not kubectl's copy of it
+    return cluster.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(body), check=check)
+
+
+def merge_patch_llmservice(cluster: KubeCluster, namespace: str, name: str, patch: dict) -> None:
+    cluster.kubectl("patch", "llmservice", name, "-n", namespace, "--type", "merge", "-p", json.dumps(patch))
+
+
+def admin_kube(cluster: KubeCluster) -> Kube:
+    return Kube(cluster.api_client())
+
+
+def condition(llmservice: dict | None, type_: str) -> dict:
+    for c in ((llmservice or {}).get("status") or {}).get("conditions") or ():
+        if c["type"] == type_:
+            return c
+    return {}
+
+
+def wait_for_status(kube: Kube, namespace: str, name: str, predicate, what: str, timeout: float = TIMEOUT) -> dict:
+    def check():
+        obj = kube.get_llmservice(namespace, name)
+        return obj if obj is not None and predicate(obj) else None
+
+    return wait_until(check, timeout=timeout, what=f"{namespace}/{name}: {what}")
+
+
+def children_of(kube: Kube, namespace: str, name: str) -> dict[str, list[str]]:
+    """Names of every object of each child kind labelled as this LLMService's."""
+    selector = f"app.kubernetes.io/instance={name}"
+    kinds = {"Deployment": "apps/v1", "Service": "v1", "Secret": "v1", "ConfigMap": "v1",
+             "PodDisruptionBudget": "policy/v1" if kube.serves("policy/v1") else "policy/v1beta1"}
+    return {kind: sorted(o["metadata"]["name"] for o in kube.list(version, kind, namespace, selector))
+            for kind, version in kinds.items()}
+
+
+def events_for(kube: Kube, namespace: str, name: str) -> list[dict]:
+    return [e for e in kube.list("v1", "Event", namespace)
+            if e["involvedObject"].get("kind") == "LLMService" and e["involvedObject"].get("name") == name]
