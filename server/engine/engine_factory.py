@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -10,7 +11,6 @@ from iterserve.server.config import EngineConfig, parse_memory
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.engine.sampling_params import InvalidRequestError
 from iterserve.server.model.loader import load_model
-from iterserve.server.model.tokenizer import load_tokenizer
 from iterserve.server.runner.backends import resolve_backend_name
 from iterserve.server.runner.model_runner import ModelRunner
 
@@ -67,7 +67,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     backend = resolve_backend_name(config.attention_backend, device)  # refuse before the slow load
 
     loaded = load_model(config.model, config.load_format)
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = _load_tokenizer(config, loaded.path)
     mc = loaded.config
     context_len = mc.max_position_embeddings
     if mc.sliding_window:
@@ -108,6 +108,16 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     )
     logger.info(engine.kv_cache_report)
     return engine
+
+
+def _load_tokenizer(config: EngineConfig, resolved_path: str):
+    """The model's tokenizer; a dummy model directory without tokenizer.json has none (requests then
+    come as token ids), and then the tokenizer libraries are not even imported."""
+    if config.load_format == "dummy" and not os.path.isfile(os.path.join(resolved_path, "tokenizer.json")):
+        return None
+    from iterserve.server.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(config.model)
 
 
 def _eos_ids(mc, tokenizer) -> set[int]:

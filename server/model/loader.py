@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from safetensors import safe_open
 
-from iterserve.server.model.gguf_loader import load_gguf
 from iterserve.server.model.model_config import ModelConfig
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,6 +77,9 @@ def load_model(path: str | os.PathLike | None = None, load_format: str = "auto")
             raise ValueError(f"model: load_format dummy needs a directory with config.json; {resolved} is a GGUF file")
         return LoadedModel(config=_read_hf_config(resolved), weights=None, path=resolved, source=f"dummy:{resolved}")
     if kind == "gguf":
+        # imported where used (safetensors below too): a dummy load needs neither file reader
+        from iterserve.server.model.gguf_loader import load_gguf
+
         config, weights = load_gguf(resolved)
     else:
         config, weights = _load_hf(resolved)
@@ -143,6 +144,8 @@ def _read_hf_config(path: str) -> ModelConfig:
 
 
 def _load_hf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
     config = _read_hf_config(path)
 
     # Only the tensors the model uses are kept: checkpoints may carry extras (e.g. rotary inv_freq, or
