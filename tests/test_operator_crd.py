@@ -6,18 +6,16 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from iterserve.operator.constants import GROUP, KIND, PLURAL, SHORT_NAME, VERSION
 from iterserve.operator.spec import parse_llmservice
+from tests.operator_support import CRD, SCHEMA, schema_errors
 
 ROOT = Path(__file__).resolve().parents[1]
-CRD = yaml.safe_load((ROOT / "crds/llmservice.yaml").read_text())
 (CRD_VERSION,) = CRD["spec"]["versions"]
-SCHEMA = CRD_VERSION["schema"]["openAPIV3Schema"]
 
 
 def samples() -> list[dict]:
@@ -26,11 +24,6 @@ def samples() -> list[dict]:
         if path.name != "kustomization.yaml":
             docs += [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == KIND]
     return docs
-
-
-def schema_errors(obj: dict) -> list[str]:
-    validator = jsonschema.Draft4Validator(SCHEMA)
-    return [".".join(str(p) for p in e.absolute_path) + ": " + e.message for e in validator.iter_errors(obj)]
 
 
 def test_crd_is_a_valid_object_with_the_documented_names():
