@@ -11,7 +11,6 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from iterserve.operator.builders.deployment import RUN_AS
 from iterserve.operator.constants import KIND
