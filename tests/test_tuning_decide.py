@@ -20,10 +20,13 @@ POLICY = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, max_num_seqs_bounds=(2, 
 START = Knobs(max_num_seqs=8, max_num_batched_tokens=512, prefill_chunk_size=128)
 
 
-def window(ttft=500, itl=50, n=100, kv=0.3, waiting=0.0, preempt=0.0, errors=0.0) -> Observation:
-    """One window's figures in ms, with its sample count and load signals."""
+def window(ttft=500, itl=50, n=100, kv=0.3, waiting=0.0, preempt=0.0, errors=0.0, running=None) -> Observation:
+    """One window's figures in ms, with its sample count and load signals; requests wait behind a full batch
+    (as many running as the bounds allow) unless told otherwise."""
+    running = (32 if waiting else 2) if running is None else running
     return Observation(start=0, end=10, num_pods=1, num_samples=n, ttft_p99_s=ttft / 1000, itl_p99_s=itl / 1000,
-                       request_rate=5, prompt_token_rate=100, generation_token_rate=200, waiting=waiting, running=4,
+                       request_rate=5, prompt_token_rate=100, generation_token_rate=200, waiting=waiting,
+                       running=running,
                        queue_time_mean_s=None, kv_usage=kv, preemption_rate=preempt, error_rate=errors)
 
 
@@ -60,6 +63,8 @@ def seqs(decisions):
     ("steady load with headroom raises step by step", [GOOD_BUSY] * 4,
      [RAISE_SEQS] * 4, [10, 12, 14, 16], "True"),
     ("steady load, nothing waits: no reason to raise", [GOOD_IDLE] * 3, [HOLD] * 3, [8, 8, 8], "True"),
+    ("requests wait for a step, not for a place: no reason to raise", [window(waiting=3, running=5)] * 3,
+     [HOLD] * 3, [8, 8, 8], "True"),
     ("inside the hysteresis band nothing moves", [BAND] * 3, [HOLD] * 3, [8, 8, 8], "True"),
     ("overload: a mild breach is confirmed, then backed off multiplicatively", [BOTH_OVER] * 3,
      [HOLD, BACK_OFF_SEQS, BACK_OFF_SEQS], [8, 4, 2], "False"),

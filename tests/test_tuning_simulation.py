@@ -17,7 +17,7 @@ from tests.tuning_latency_model import LatencyModel
 POLICY = TuningPolicy(ttft_p99_ms=1500, itl_p99_ms=40, max_num_seqs_bounds=(1, 64),
                       prefill_chunk_size_bounds=(16, 512), interval_s=30, window_s=30, seqs_step=4, min_samples=20)
 START = Knobs(max_num_seqs=4, max_num_batched_tokens=512, prefill_chunk_size=256)
-SEEDS = range(6)
+SEEDS = range(8)
 
 
 @dataclass

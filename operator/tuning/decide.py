@@ -196,8 +196,9 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
         why = f"SLO met within the hysteresis band (worst p99 at {r.score:.0%} of its SLO)"
     elif obs.kv_usage >= policy.kv_pressure:
         why = f"SLO met; KV usage {obs.kv_usage:.0%} at or above the {policy.kv_pressure:.0%} pressure threshold"
-    elif obs.queued < policy.min_waiting:
-        why = f"SLO met; {obs.queued:.1f} requests waiting on average, so a larger batch would not help"
+    elif not _cap_binds(state.knobs, obs, policy):
+        why = (f"SLO met; {obs.running:.1f} running and {obs.queued:.1f} waiting on average: the batch cap "
+               f"does not hold requests back, so a larger one would not help")
     elif target == state.knobs:
         why = "SLO met with headroom; max_num_seqs at its upper bound"
     elif (until := s.blocked_until(target, now)) is not None:
@@ -266,6 +267,13 @@ def _judge(p: PendingChange, r: _Reading, obs: Observation, policy: TuningPolicy
     return None
 
 
+def _cap_binds(k: Knobs, obs: Observation, policy: TuningPolicy) -> bool:
+    """Requests wait while the batch is (nearly) full: max_num_seqs is what holds them back. Waiting alone
+    is not enough: a request arriving mid-step waits for the next one even in a half-empty batch."""
+    full = obs.running >= policy.full_batch * k.max_num_seqs * max(1, obs.num_pods)
+    return obs.queued >= policy.min_waiting and full
+
+
 def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, ttft_bad: bool,
                  itl_bad: bool) -> list[tuple[str, Knobs]]:
     """The moves that can cure this (confirmed) breach, best first."""
@@ -278,7 +286,7 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
     more = (RAISE_SEQS, k.replace(max_num_seqs=policy.max_num_seqs_bounds.clamp(k.max_num_seqs + policy.seqs_step)))
     fewer = _back_off_seqs(k, policy)
     # requests wait for a place in the batch (and the KV cache could hold more): the cap is binding
-    capped = obs.queued >= policy.min_waiting and obs.kv_usage < policy.kv_pressure
+    capped = _cap_binds(k, obs, policy) and obs.kv_usage < policy.kv_pressure
     if itl_bad and not ttft_bad:
         # decode steps are slow; with TTFT headroom, prefill riding along in big chunks is what stalls them
         return [smaller, fewer] if r.ttft <= room else [fewer, smaller]

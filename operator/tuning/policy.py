@@ -68,7 +68,8 @@ class TuningPolicy:
     kv_pressure: float = 0.9  # KV usage at or above which max_num_seqs is not raised
     max_preemption_rate: float = 0.0  # preemptions per second tolerated before backing off
     max_error_rate: float = 0.0  # failed engine steps per second tolerated before backing off
-    min_waiting: float = 0.5  # mean requests waiting that count as the batch cap binding
+    min_waiting: float = 0.5  # mean requests waiting that, with a full batch, count as the batch cap binding
+    full_batch: float = 0.75  # share of max_num_seqs (per pod) running on average that counts as a full batch
     cooldown_s: float | None = None  # least time between two changes; None: window_s
     seqs_step: int = 2  # additive increase of max_num_seqs
     backoff_factor: float = 0.5  # multiplicative decrease of max_num_seqs
@@ -94,7 +95,7 @@ class TuningPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidPolicyError(name, f"must be an integer >= 1, got {value!r}")
-        for name in ("headroom", "kv_pressure", "backoff_factor"):
+        for name in ("headroom", "kv_pressure", "backoff_factor", "full_batch"):
             value = getattr(self, name)
             _number(name, value)
             if not 0 < value < 1:
