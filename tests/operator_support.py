@@ -47,15 +47,14 @@ def operator_rbac(kube_cluster: KubeCluster):
     return docs
 
 
-def start_operator(cluster: KubeCluster, namespace: str, *args: str, name: str = "operator",
-                   env: dict | None = None) -> DaemonProcess:
-    """`iterserve operator` for one namespace, as the operator's service account (only the manifests'
-    RBAC rights), with a 2 s drift-repair period."""
-    environment = {**os.environ, "KUBECONFIG": str(cluster.operator_kubeconfig), "PYTHONUNBUFFERED": "1",
-                   **(env or {})}
-    argv = [ITERSERVE, "operator", "--namespace", namespace, "--resync-seconds", "2", *args]
-    return DaemonProcess.start(f"{name} ({namespace})", argv, cluster.workdir / f"{namespace}-{name}.log",
-                               env=environment)
+def start_operator(cluster: KubeCluster, namespace: str | None, *args: str, name: str = "operator") -> DaemonProcess:
+    """`iterserve operator` for one namespace (None: all), as the operator's service account (only the
+    manifests' RBAC rights), with a 2 s drift-repair period."""
+    environment = {**os.environ, "KUBECONFIG": str(cluster.operator_kubeconfig), "PYTHONUNBUFFERED": "1"}
+    scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
+    argv = [ITERSERVE, "operator", *scope, "--resync-seconds", "2", *args]
+    label = namespace or "all-namespaces"
+    return DaemonProcess.start(f"{name} ({label})", argv, cluster.workdir / f"{label}-{name}.log", env=environment)
 
 
 def log_of(process: DaemonProcess) -> str:
@@ -63,9 +62,11 @@ def log_of(process: DaemonProcess) -> str:
 
 
 def assert_no_denials(process: DaemonProcess) -> None:
-    """The manifests' RBAC was enough: the API server refused the operator nothing."""
-    log = log_of(process)
-    assert "forbidden" not in log.lower() and "403" not in log, process.log_tail(60)
+    """The manifests' RBAC was enough: the API server refused the operator nothing (a 403 for writing
+    into a namespace being deleted, left by an earlier test, is no RBAC denial)."""
+    denied = [line for line in log_of(process).splitlines()
+              if "forbidden" in line.lower() and "being terminated" not in line]
+    assert not denied, "\n".join(denied[:5])
 
 
 def apply_llmservice(cluster: KubeCluster, namespace: str, name: str, spec: dict, *,

@@ -227,6 +227,22 @@ def test_two_operator_replicas_one_leader(kube_cluster, kube_namespace, operator
     assert_no_denials(b)
 
 
+def test_one_operator_serves_every_namespace(kube_cluster, kube_namespace, operator_rbac):
+    kube, other = admin_kube(kube_cluster), f"{kube_namespace}-b"
+    kube_cluster.kubectl("create", "namespace", other)
+    process = start_operator(kube_cluster, None, "--standalone", name=kube_namespace)
+    try:
+        for ns in (kube_namespace, other):
+            apply_llmservice(kube_cluster, ns, "chat", {})
+        for ns in (kube_namespace, other):
+            wait_until(lambda n=ns: children_of(kube, n, "chat") == ONE_OF_EACH, timeout=TIMEOUT,
+                       what=f"the children in {ns}")
+    finally:
+        process.stop()
+        kube_cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+    assert_no_denials(process)
+
+
 def test_operator_rights_are_only_what_it_uses(kube_cluster, kube_namespace, operator_rbac):
     def can(verb: str, resource: str) -> bool:
         result = kube_cluster.kubectl("auth", "can-i", verb, resource, "-n", kube_namespace,
