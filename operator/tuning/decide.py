@@ -6,18 +6,22 @@ Rules, in order (docs/tuning.md explains each and why):
    unless pods preempt or fail;
 3. the first window after a change judges it: a change that broke a met SLO (or brought preemptions or
    errors) is rolled back to the last good setting; a correction that failed to improve the p99 it aimed
-   at, or pushed the other p99 over its SLO, is reverted; either way the failed setting is not retried
-   before `retry_after_s` (doubling each time it fails again);
+   at, or pushed the other p99 over its SLO, is reverted; the failed setting is not retried before
+   `retry_after_s`, doubling each time the same knob fails the same way again;
 4. preemptions or failed steps back max_num_seqs off multiplicatively;
 5. a breach (confirmed over `confirm_breaches` windows unless severe) is diagnosed: ITL over while TTFT
    has headroom lowers prefill_chunk_size (prefill stalls decode); TTFT over while ITL has headroom raises
-   max_num_seqs when requests queue behind the batch cap, else prefill_chunk_size; otherwise
-   max_num_seqs backs off (a smaller chunk first when requests queue: it costs no capacity);
-6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and requests waiting,
-   max_num_seqs goes up by one step; between headroom and SLO nothing moves (the hysteresis band).
+   max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; otherwise
+   max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
+6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
+   holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
+Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
+setting it left is not approached again before `retry_after_s`), and a move that undoes the previous one
+marks the setting it leaves as failed, so two moves that each help one p99 cannot take turns forever.
 `Tuned` is True while the SLO is met, False with `SLOBreached` while correcting, `BoundsReached` when the
 correction needed lies outside the bounds, `NoBetterSetting` when every correction left was tried and made
-things worse. In `observe` mode the decision is only a recommendation: the state keeps its knobs.
+things worse (that verdict stands through later probes until the SLO is met). In `observe` mode the
+decision is only a recommendation: the state keeps its knobs.
 """
 
 from __future__ import annotations
