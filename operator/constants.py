@@ -1,4 +1,4 @@
-"""Names of the LLMService API the operator serves (the operator itself lands with its own issue)."""
+"""Names of the LLMService API the operator serves."""
 
 GROUP = "iterserve.io"
 VERSION = "v1alpha1"

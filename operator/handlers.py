@@ -61,11 +61,12 @@ def _report(body, result: controller.Result, *, drift: bool) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def reconcile_llmservice(body, memo: kopf.Memo, logger, **_) -> None:
+def reconcile_llmservice(body, memo: kopf.Memo, **_) -> None:
     result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
     _report(body, result, drift=False)
     if result.spec_error is not None:
-        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(result.spec_error))
+        if not any(c["type"] == "Degraded" for c in result.transitions):  # else that Event said it
+            kopf.event(body, type="Warning", reason="InvalidSpec", message=str(result.spec_error))
         raise kopf.PermanentError(f"invalid spec: {result.spec_error}")  # retried when the spec changes
     if result.problems and not result.gone:
         # status (Degraded) and the Degraded Event carry the details; kopf retries the whole pass
@@ -73,7 +74,7 @@ def reconcile_llmservice(body, memo: kopf.Memo, logger, **_) -> None:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def repair_drift(body, memo: kopf.Memo, logger, **_) -> None:
+def repair_drift(body, memo: kopf.Memo, **_) -> None:
     result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
     _report(body, result, drift=True)  # problems persist in status; Degraded's transition is the Event
 
@@ -86,7 +87,7 @@ def _owner(body) -> tuple[str, str] | None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
-def deployment_changed(event, body, memo: kopf.Memo, logger, **_) -> None:
+def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
     owner = _owner(body)
     if owner is None:
         return

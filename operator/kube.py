@@ -7,6 +7,7 @@ ApiClient (auth, TLS, kubeconfig); errors are its `ApiException` (`.status` 404,
 
 from __future__ import annotations
 
+import functools
 import json
 
 from kubernetes.client import ApiClient
@@ -103,6 +104,11 @@ class Kube:
             if e.status == 404:
                 return False
             raise
+
+    @functools.cached_property
+    def pdb_api_version(self) -> str:
+        """policy/v1 where served (Kubernetes >= 1.21), else policy/v1beta1: the same PodDisruptionBudget."""
+        return "policy/v1" if self.serves("policy/v1") else "policy/v1beta1"
 
     def get_llmservice(self, namespace: str, name: str) -> dict | None:
         return self.get(f"{GROUP}/{VERSION}", KIND, namespace, name)

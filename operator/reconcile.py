@@ -56,12 +56,6 @@ class ChildConflict(Exception):
     """A child's name is taken by an object the operator does not manage."""
 
 
-def _pdb_version(kube: Kube) -> str:
-    if not hasattr(kube, "pdb_api_version"):
-        kube.pdb_api_version = "policy/v1" if kube.serves("policy/v1") else "policy/v1beta1"
-    return kube.pdb_api_version
-
-
 def _check_ours(obj: dict | None, svc: LLMService) -> None:
     if obj is not None:
         reason = foreign_owner(obj, svc.uid)
@@ -170,7 +164,7 @@ def apply_child(kube: Kube, svc: LLMService, desired: dict, out: Outcome) -> dic
 
 
 def ensure_pdb(kube: Kube, svc: LLMService, out: Outcome) -> None:
-    version = _pdb_version(kube)
+    version = kube.pdb_api_version
     desired = build_pdb(svc, version)
     if desired is not None:
         apply_child(kube, svc, desired, out)

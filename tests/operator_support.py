@@ -104,7 +104,7 @@ def children_of(kube: Kube, namespace: str, name: str) -> dict[str, list[str]]:
     """Names of every object of each child kind labelled as this LLMService's."""
     selector = f"app.kubernetes.io/instance={name}"
     kinds = {"Deployment": "apps/v1", "Service": "v1", "Secret": "v1", "ConfigMap": "v1",
-             "PodDisruptionBudget": "policy/v1" if kube.serves("policy/v1") else "policy/v1beta1"}
+             "PodDisruptionBudget": kube.pdb_api_version}
     return {kind: sorted(o["metadata"]["name"] for o in kube.list(version, kind, namespace, selector))
             for kind, version in kinds.items()}
 
