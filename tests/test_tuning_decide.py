@@ -184,6 +184,20 @@ def test_correction_that_pushes_the_other_p99_over_is_reverted():
     assert "p99 ITL went over its SLO" in d[-1].reason
 
 
+def test_back_off_leaves_a_ceiling_for_the_raises_after_it():
+    d = run([BOTH_OVER, BOTH_OVER, GOOD_BUSY, GOOD_BUSY])
+    assert actions(d) == [HOLD, BACK_OFF_SEQS, RAISE_SEQS, HOLD]
+    assert seqs(d) == [8, 4, 6, 6] and "not retried" in d[-1].reason
+
+
+def test_undoing_the_last_move_marks_it_failed_so_two_cures_do_not_take_turns():
+    # a larger chunk for TTFT, later a smaller one for ITL: back where it was, the larger one is not retried
+    d = run([TTFT_OVER_NO_QUEUE] * 2 + [GOOD_IDLE] + [ITL_OVER] * 2 + [GOOD_IDLE] + [TTFT_OVER_NO_QUEUE] * 2)
+    assert actions(d) == [HOLD, RAISE_CHUNK, HOLD, HOLD, LOWER_CHUNK, HOLD, HOLD, HOLD]
+    assert [x.state.knobs.prefill_chunk_size for x in d] == [128, 256, 256, 256, 128, 128, 128, 128]
+    assert d[-1].tuned.reason == "NoBetterSetting"
+
+
 def test_cooldown_holds_between_changes():
     d = run([GOOD_BUSY] * 4, policy=POLICY.replace(cooldown_s=25))
     assert actions(d) == [RAISE_SEQS, HOLD, HOLD, RAISE_SEQS]
@@ -201,6 +215,11 @@ def test_observe_mode_recommends_without_moving():
     assert actions(d) == [RAISE_SEQS] * 3
     assert all(not x.applied and x.knobs.max_num_seqs == 10 for x in d)
     assert seqs(d) == [8, 8, 8] and d[0].reason.startswith("recommended")
+
+
+def test_observe_mode_remembers_no_ceiling_for_a_back_off_it_did_not_make():
+    d = run([SEVERE, GOOD_BUSY], policy=POLICY.replace(mode="observe"))
+    assert actions(d) == [BACK_OFF_SEQS, RAISE_SEQS] and d[-1].state.failed == ()
 
 
 def test_off_mode_does_nothing():

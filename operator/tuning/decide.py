@@ -310,12 +310,8 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves
             continue
         until = s.blocked_until(target, now)
         if until is None:
-            if action == BACK_OFF_SEQS:  # the setting backed off from is a ceiling for the raises that follow
-                s = dataclasses.replace(s, failed=_mark_failed(s.failed, s.knobs, now, policy, RAISE_SEQS))
-            elif target == s.previous_knobs and s.previous_action is not None:
-                # undoing the last move says it did not pay: without this, two moves that each help one p99
-                # (a larger chunk for TTFT, a smaller one for ITL) would take turns forever
-                s = dataclasses.replace(s, failed=_mark_failed(s.failed, s.knobs, now, policy, s.previous_action))
+            if policy.mode == "auto":  # a recommendation moves nothing, so there is nothing to remember
+                s = dataclasses.replace(s, failed=_remember_move(s, action, target, now, policy))
             return _move(s, policy, now, action, target, f"{why}: {r.text}", r, _breached(r, s.tuned),
                          aim=AIMS[action] if aimed else None)
         blocked.append(f"{action} to {target.describe()} made things worse (retry in {until - now:.0f} s)")
@@ -326,6 +322,18 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves
         tuned = Condition("False", "BoundsReached",
                           f"{r.text}; the correction needed ({names}) is at the bounds of {s.knobs.describe()}")
     return _stay(s, now, f"{why} and no move left: {tuned.message}", r.met, tuned)
+
+
+def _remember_move(s: TunerState, action: str, target: Knobs, now: float,
+                   policy: TuningPolicy) -> tuple[FailedSetting, ...]:
+    """What a move teaches before it is judged. The setting a back-off leaves is a ceiling for the raises
+    that follow. A move back to the setting before the last move says that move did not pay: without this,
+    two moves that each help one p99 (a larger chunk for TTFT, a smaller one for ITL) would take turns."""
+    if action == BACK_OFF_SEQS:
+        return _mark_failed(s.failed, s.knobs, now, policy, RAISE_SEQS)
+    if target == s.previous_knobs and s.previous_action is not None:
+        return _mark_failed(s.failed, s.knobs, now, policy, s.previous_action)
+    return s.failed
 
 
 def _breached(r: _Reading, previous: Condition) -> Condition:
