@@ -19,7 +19,7 @@ from iterserve.kernels.triton_jit import interpreting, lazy_jit, next_power_of_2
 _LOG2E = 1.4426950408889634
 # Below this many tokens per split, the merge costs more than the parallelism gains.
 _MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 
 
 @lazy_jit(do_not_specialize=("num_splits", "bt_stride"))
