@@ -220,6 +220,10 @@ def environment(sizes: Sizes) -> dict:
         env["triton"] = triton.__version__
     except ImportError as exc:
         env["triton"] = f"missing: {exc}"
+    import shutil
+
+    # Triton builds its launcher with the system C compiler on first use: without one, no kernel runs
+    env["c_compiler"] = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or "missing"
     env["missing_optional_modules"] = [m for m in ("numpy", "safetensors", "tokenizers", "gguf", "jinja2")
                                        if importlib.util.find_spec(m) is None]
     if sizes.device == "cuda":

@@ -9,7 +9,11 @@ cd "$(dirname "$0")/.."
 ROOT="$PWD"
 OUT_DIR="${1:-${OUT:-benchmarks/results/gpu}}"
 shift || true
-PY="${PYTHON:-python3}"
+PY=""
+for candidate in ${PYTHON:-} python3 python; do  # the first interpreter that has torch
+    if "$candidate" -c "import torch" >/dev/null 2>&1; then PY="$candidate"; break; fi
+done
+[ -n "$PY" ] || { echo "no python with torch found (set PYTHON=...)" >&2; exit 3; }
 
 if [ "${GPU_RUN_SHIM:-0}" != "1" ] && "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/tmp/iterserve-pip.log 2>&1; then
     echo "installed iterserve from $ROOT (editable, no dependencies)"
