@@ -20,7 +20,7 @@ _MAX_BLOCK = 1024
 def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      k_stride, v_stride, cache_stride,
                      ROW: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slot_ptr + token).to(tl.int64)  # int64: slot * row overflows int32 in large caches
     mask = cols < tl.where(slot >= 0, ROW, 0)
