@@ -152,6 +152,10 @@ def batch1_decode(engine, sizes: Sizes, copy_gb_s: float | None) -> dict:
     for name, static in modes:
         runner.static_decode = static
         one_run()  # warm-up: compiles kernels, captures the batch-1 graph
+        if static is not None and runner.static_decode is None:
+            result[f"{name}_failed"] = "the runner fell back to eager (see the log)"
+            saved = None
+            continue
         result[f"{name}_tok_per_s"], outputs[name] = one_run()
     runner.static_decode = saved
     if len(outputs) == 2:  # split-KV sizes differ between the two, so bits (and a few argmaxes) may too

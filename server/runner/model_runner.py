@@ -7,6 +7,8 @@ On CUDA with Triton, decode-only steps replay CUDA graphs (server/runner/cuda_gr
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from iterserve.server.engine.scheduler import SchedulerOutput
@@ -15,6 +17,8 @@ from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.runner.backends import make_backend, num_sms
 from iterserve.server.runner.sampler import SamplerOutput, sample
 from iterserve.server.runner.step_inputs import step_layout, to_step_inputs
+
+logger = logging.getLogger("iterserve.runner")
 
 
 class ModelRunner:
@@ -77,8 +81,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> SamplerOutput:
         layout = step_layout(out, self.block_size)
+        hidden = None
         if self.static_decode is not None and self.static_decode.can_run(layout):
-            hidden = self.static_decode.run(layout)
+            try:
+                hidden = self.static_decode.run(layout)
+            except RuntimeError:  # a capture that fails must not take the engine down: run eagerly
+                if not self.static_decode.capture:
+                    raise
+                logger.exception("decode step from CUDA graphs failed; decode steps run eagerly from now on")
+                self.static_decode = None
+        if hidden is not None:
             sample_indices = torch.from_numpy(layout.sample_indices).to(self.device)
         else:
             inputs = to_step_inputs(layout, self.device, self.backend.build_metadata)
