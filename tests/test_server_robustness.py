@@ -232,6 +232,11 @@ def test_queue_full_is_429_and_draining_is_503(tiny_dir):
                 # the requests already admitted still complete
                 for task in (running, waiting):
                     assert (await task).json()["choices"][0]["finish_reason"] == "length"
+                # every answer is counted by route and code: the tuner's error rate reads these
+                text = srv.state.metrics.render(False).decode()
+                counts = {code: metric_value(text, "iterserve:http_responses_total", route="/v1/completions",
+                                             code=code) for code in ("200", "429", "503")}
+                assert counts == {"200": 2, "429": 1, "503": 2}
         asyncio.run(main())
         srv._thread.join(10)  # with nothing left in flight, the drain ends the server
         assert not srv._thread.is_alive()

@@ -53,6 +53,7 @@ class FakePodMetrics:
         self.tokens = Counter("vllm:generation_tokens", "", list(lv), registry=r).labels(**lv)
         self.preemptions = Counter("vllm:num_preemptions", "", list(lv), registry=r).labels(**lv)
         self.failures = Counter("iterserve:engine_step_failures", "", ["model_name"], registry=r).labels("m")
+        self.responses = Counter("iterserve:http_responses", "", ["model_name", "route", "code"], registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "", list(lv), registry=r).labels(**lv)
         self.kv = Gauge("vllm:kv_cache_usage_perc", "", list(lv), registry=r).labels(**lv)
 
@@ -87,6 +88,20 @@ def test_window_over_scrapes_of_one_pod():
     assert obs.preemption_rate == pytest.approx(0.15) and obs.error_rate == 0
     assert obs.waiting == pytest.approx(4 / 3) and obs.kv_usage == pytest.approx(0.8 / 3)  # gauges: scrape means
     assert obs.queue_time_mean_s == pytest.approx(0.2)
+
+
+def test_errors_are_failed_steps_and_5xx_answers_not_429s():
+    pod = FakePodMetrics()
+    first = pod.scrape(0.0)
+    pod.requests(20, ttft=0.05, itl=0.02)
+    route = "/v1/completions"
+    pod.responses.labels("m", route, "200").inc(20)
+    pod.responses.labels("m", route, "429").inc(50)  # queue full: a call for capacity, not a failure
+    pod.responses.labels("m", route, "503").inc(3)
+    pod.responses.labels("m", "/v1/chat/completions", "500").inc(2)
+    pod.failures.inc(5)
+    obs = observation_from_scrapes({"a": [first, pod.scrape(10.0)]}, 10.0)
+    assert obs.error_rate == pytest.approx((3 + 2 + 5) / 10)
 
 
 def test_window_never_reaches_back_past_a_change():

@@ -221,7 +221,7 @@ def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
     if obs.preemption_rate > policy.max_preemption_rate:
         trouble = f"{obs.preemption_rate:.2f} preemptions/s with KV usage at {obs.kv_usage:.0%}"
     elif obs.error_rate > policy.max_error_rate:
-        trouble = f"{obs.error_rate:.2f} failed engine steps/s"
+        trouble = f"{obs.error_rate:.2f} errors/s (failed engine steps and 5xx answers)"
     text = (f"p99 TTFT {_ms(obs.ttft_p99_s)} (SLO {policy.ttft_p99_ms:g} ms), p99 ITL {_ms(obs.itl_p99_s)} "
             f"(SLO {policy.itl_p99_ms:g} ms), KV {obs.kv_usage:.0%}, {obs.queued:.1f} waiting, "
             f"{obs.num_samples} samples")

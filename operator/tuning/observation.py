@@ -16,7 +16,9 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
 STEP_FAILURES = "iterserve:engine_step_failures_total"  # each failed step answered its requests with a 500
-COUNTERS = (REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, PREEMPTIONS, STEP_FAILURES)
+HTTP_RESPONSES = "iterserve:http_responses_total"  # by route and code; only the 5xx series are read
+SERVER_ERRORS = "5xx"  # this module's name for the sum of HTTP_RESPONSES{code=~"5.."}
+COUNTERS = (REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, PREEMPTIONS, STEP_FAILURES, SERVER_ERRORS)
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -40,7 +42,9 @@ class Observation:
     queue_time_mean_s: float | None  # mean arrival-to-admission time of finished requests
     kv_usage: float  # highest per-pod average KV usage (0..1): pressure on any pod counts
     preemption_rate: float  # preemptions per second, all pods
-    error_rate: float  # failed engine steps per second, all pods
+    # failed engine steps plus 5xx answers per second, all pods (a 429 is not an error here: it says the
+    # queue is full, which calls for more capacity, not a back-off)
+    error_rate: float
     errors: tuple[str, ...] = ()  # pods that could not be read, with why
 
     @classmethod

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.operator.tuning.histograms import add_buckets, histogram_quantile
 from iterserve.operator.tuning.observation import (
-    COUNTERS, GAUGES, GENERATION_TOKENS, HISTOGRAMS, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME,
-    REQUESTS, RUNNING, STEP_FAILURES, TTFT, WAITING, Observation,
+    COUNTERS, GAUGES, GENERATION_TOKENS, HISTOGRAMS, HTTP_RESPONSES, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME,
+    REQUESTS, RUNNING, SERVER_ERRORS, STEP_FAILURES, TTFT, WAITING, Observation,
 )
 
 MAX_SCRAPES_PER_POD = 256
@@ -51,6 +51,8 @@ def parse_scrape(text: str, t: float) -> PodScrape:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name = s.name
+            if name == HTTP_RESPONSES and s.labels.get("code", "").startswith("5"):
+                name = SERVER_ERRORS
             if name in wanted_counters:
                 scrape.counters[name] = scrape.counters.get(name, 0.0) + s.value
             elif name in wanted_gauges:
@@ -131,7 +133,8 @@ def observation_from_scrapes(per_pod: dict[str, list[PodScrape]], now: float,
         request_rate=rates[REQUESTS], prompt_token_rate=rates[PROMPT_TOKENS],
         generation_token_rate=rates[GENERATION_TOKENS], waiting=waiting, running=running,
         queue_time_mean_s=queue_sum / queue_count if queue_count else None, kv_usage=kv,
-        preemption_rate=rates[PREEMPTIONS], error_rate=rates[STEP_FAILURES], errors=tuple(errors))
+        preemption_rate=rates[PREEMPTIONS], error_rate=rates[STEP_FAILURES] + rates[SERVER_ERRORS],
+        errors=tuple(errors))
 
 
 def _mean(values) -> float:

@@ -67,7 +67,7 @@ class TuningPolicy:
     headroom: float = 0.2  # raise only while both p99s are below (1 - headroom) x SLO: the hysteresis band
     kv_pressure: float = 0.9  # KV usage at or above which max_num_seqs is not raised
     max_preemption_rate: float = 0.0  # preemptions per second tolerated before backing off
-    max_error_rate: float = 0.0  # failed engine steps per second tolerated before backing off
+    max_error_rate: float = 0.0  # errors (failed steps, 5xx answers) per second tolerated before backing off
     min_waiting: float = 0.5  # mean requests waiting that, with a full batch, count as the batch cap binding
     full_batch: float = 0.75  # share of max_num_seqs (per pod) running on average that counts as a full batch
     cooldown_s: float | None = None  # least time between two changes; None: window_s

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from iterserve.operator.tuning.observation import (
-    GENERATION_TOKENS, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME, REQUESTS, RUNNING, STEP_FAILURES,
-    TTFT, WAITING, Observation,
+    GENERATION_TOKENS, HTTP_RESPONSES, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME, REQUESTS, RUNNING,
+    STEP_FAILURES, TTFT, WAITING, Observation,
 )
 
 
@@ -49,7 +49,9 @@ def promql_queries(sel: str, window: str) -> dict[str, str]:
         "prompt_token_rate": rate(PROMPT_TOKENS),
         "generation_token_rate": rate(GENERATION_TOKENS),
         "preemption_rate": rate(PREEMPTIONS),
-        "error_rate": rate(STEP_FAILURES),
+        # `or vector(0)`: a server that never failed has no 5xx series, and an empty side would empty the sum
+        "error_rate": f"({rate(STEP_FAILURES)} or vector(0)) + "
+                      f"(sum(rate({HTTP_RESPONSES}{{{sel},code=~\"5..\"}}[{window}])) or vector(0))",
         "queue_time_mean_s": f"sum(rate({QUEUE_TIME}_sum{{{sel}}}[{window}])) / "
                              f"sum(rate({QUEUE_TIME}_count{{{sel}}}[{window}]))",
         "waiting": f"sum(avg_over_time({WAITING}{{{sel}}}[{window}]))",

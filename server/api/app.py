@@ -41,6 +41,7 @@ def create_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible continuous-batching LLM server")
     app.state.iterserve = state
     install_error_handlers(app)
+    app.add_middleware(ResponseCounter, state=state)
 
     def api_key(request: Request) -> None:
         _check_token(request, state.api_key, "API key")
@@ -90,6 +91,31 @@ def create_app(state: ServerState) -> FastAPI:
         return admin.apply(state, body)
 
     return app
+
+
+class ResponseCounter:
+    """Counts each /v1 response by route and status code once its headers go out. A plain ASGI
+    middleware, not BaseHTTPMiddleware: that one would buffer the receive channel the disconnect
+    watcher reads and delay streamed chunks."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or self.state.metrics is None:
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in _V1_ROUTES else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.state.metrics.observe_response(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+_V1_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
 def _unavailable(reason: str) -> JSONResponse:

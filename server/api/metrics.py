@@ -38,6 +38,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class Metrics:
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine = engine
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
         labels = ["model_name", "engine"]
         lv = (model_name, "0")
@@ -112,6 +113,11 @@ class Metrics:
         self.step_batch = Histogram("iterserve:step_sampled_requests",
                                     "Requests that produced a token in one engine step (the decode batch).", own,
                                     buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512], registry=r).labels(model_name)
+        # Every answered /v1 request by status code: the tuner's error rate (429 queue full, 5xx) and
+        # the share of refused requests a dashboard needs; per route so a 404 on /v1/models is not a
+        # failed completion.
+        self.http_responses = Counter("iterserve:http_responses", "HTTP responses to /v1 requests by route and code.",
+                                      own + ["route", "code"], registry=r)
         self._seen_knob_changes = 0
         self._seen_failures = 0
         self._last_token_time: dict[str, float] = {}  # engine thread only
@@ -125,6 +131,9 @@ class Metrics:
             self.params_n.observe(len(job.choices) // prompts)
         for c in job.choices:
             self.params_max_tokens.observe(c.params.max_tokens)
+
+    def observe_response(self, route: str, code: int) -> None:
+        self.http_responses.labels(self.model_name, route, str(code)).inc()
 
     def render(self, draining: bool) -> bytes:
         snap = self.engine.snapshot()
