@@ -28,6 +28,9 @@ def register(sub) -> None:
                    help="how often each LLMService is fully reconciled to repair drift (default 30)")
     p.add_argument("--prometheus-url", default=os.environ.get("ITERSERVE_PROMETHEUS_URL"),
                    help="Prometheus the tuner reads p99 latencies from (default: env ITERSERVE_PROMETHEUS_URL)")
+    p.add_argument("--metrics-port", type=int, default=os.environ.get("ITERSERVE_OPERATOR_METRICS_PORT"),
+                   help="serve the operator's own Prometheus metrics (tuning decisions, knobs per service) on "
+                        "this port at /metrics (default: env ITERSERVE_OPERATOR_METRICS_PORT, else not served)")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.set_defaults(run=run)
 
@@ -39,18 +42,27 @@ def run(args: argparse.Namespace) -> int:
             return 2
         os.environ["ITERSERVE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)  # read by handlers at import
     import kopf
+    import prometheus_client
 
     from iterserve.operator import handlers  # noqa: F401  (registers the handlers)
     from iterserve.operator.leader import default_identity, run_as_leader, timings
+    from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 
     try:
         timings(args.lease_seconds)
     except ValueError as e:
         print(f"iterserve operator: error: {e}")
         return 2
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        print(f"iterserve operator: error: --metrics-port must be in 1..65535, got {args.metrics_port}")
+        return 2
     kopf.configure(verbose=args.verbose)
     namespaces = args.namespace
-    memo = kopf.Memo(prometheus_url=args.prometheus_url, namespaces=namespaces)
+    metrics = OperatorMetrics()
+    if args.metrics_port is not None:
+        # served by every replica, the standby included (its registry stays empty: only the leader tunes)
+        prometheus_client.start_http_server(args.metrics_port, registry=metrics.registry)
+    memo = kopf.Memo(prometheus_url=args.prometheus_url, namespaces=namespaces, operator_metrics=metrics)
 
     def operate() -> None:
         kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces, memo=memo)

@@ -4,7 +4,9 @@
 - a timer per LLMService (`ITERSERVE_OPERATOR_RESYNC_SECONDS`, default 30): the same reconcile, which
   puts back deleted or edited children and pods that missed a knob change;
 - Deployments the operator manages: a status refresh when their status changes (Ready follows the
-  pods without waiting for the timer) and a full reconcile of the owner when one is deleted.
+  pods without waiting for the timer) and a full reconcile of the owner when one is deleted;
+- a daemon per LLMService whose tuning is observe or auto (operator/tuning_loop.py): the tuner, ticking
+  every spec.tuning.intervalSeconds; kopf stops it when the mode goes to off or the object is deleted.
 
 Run with `iterserve operator` (operator/cli.py) or `kopf run -m iterserve.operator.handlers`.
 """
@@ -17,10 +19,11 @@ import os
 import kopf
 import kubernetes
 
-from iterserve.operator import controller
+from iterserve.operator import controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY
 from iterserve.operator.constants import GROUP, KIND, PLURAL, VERSION
 from iterserve.operator.kube import Kube
+from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 
 RESYNC_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_RESYNC_SECONDS", "30"))
 POD_TIMEOUT_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_POD_TIMEOUT", "3"))
@@ -43,6 +46,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     if getattr(memo, "kube", None) is None:
         kubernetes.config.load_config()
         memo.kube = Kube(kubernetes.client.ApiClient())
+    if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
+        memo.operator_metrics = OperatorMetrics()
 
 
 def _report(body, result: controller.Result, *, drift: bool) -> None:
@@ -104,3 +109,10 @@ def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
         llmservice = memo.kube.get_llmservice(namespace, name)
         if llmservice is not None:
             _report(llmservice, result, drift=False)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="tuner", when=lambda spec, **_: tuning_loop.tuning_enabled(spec))
+def tune(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
+    tuning_loop.run_daemon(memo.kube, body, stopped, emit=lambda event: kopf.event(body, **event),
+                           prometheus_url=getattr(memo, "prometheus_url", None), metrics=memo.operator_metrics,
+                           pod_timeout=POD_TIMEOUT_SECONDS)

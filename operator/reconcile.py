@@ -175,23 +175,28 @@ def ensure_pdb(kube: Kube, svc: LLMService, out: Outcome) -> None:
             out.changes.append(Change("PodDisruptionBudget", svc.name, "deleted", "replicas <= 1"))
 
 
-def _ready_pods(kube: Kube, svc: LLMService) -> list[dict]:
+def ready_pods(kube: Kube, svc: LLMService, token: str) -> list[dict]:
+    """The service's pods that are Ready, have an IP and were started with admin token `token` (one
+    started with an older token is being replaced by the rollout and would refuse it)."""
+    digest = token_digest(token)
     pods = kube.list("v1", "Pod", svc.namespace, selector_string(svc.name))
     return [pod for pod in pods
             if not pod["metadata"].get("deletionTimestamp") and (pod.get("status") or {}).get("podIP")
+            and (pod["metadata"].get("annotations") or {}).get(TOKEN_DIGEST_ANNOTATION) == digest
             and any(c.get("type") == "Ready" and c.get("status") == "True"
                     for c in (pod.get("status") or {}).get("conditions") or ())]
+
+
+def pod_url(pod: dict) -> str:
+    return f"http://{pod['status']['podIP']}:{HTTP_PORT}"
 
 
 def sync_pod_knobs(kube: Kube, svc: LLMService, token: str, knobs: dict[str, int], out: Outcome,
                    timeout: float = 3.0) -> None:
     """Give every ready pod the knobs in force, live (GET to compare, PATCH what differs)."""
-    digest = token_digest(token)
-    for pod in _ready_pods(kube, svc):
+    for pod in ready_pods(kube, svc, token):
         pod_name = pod["metadata"]["name"]
-        if (pod["metadata"].get("annotations") or {}).get(TOKEN_DIGEST_ANNOTATION) != digest:
-            continue  # started with an older admin token: the rollout is replacing it
-        url = f"http://{pod['status']['podIP']}:{HTTP_PORT}"
+        url = pod_url(pod)
         try:
             running = get_scheduler(url, token, timeout).get("knobs") or {}
             different = {k: v for k, v in knobs.items() if running.get(k) != v}

@@ -16,6 +16,8 @@ from iterserve.operator.conditions import (
 )
 from iterserve.operator.spec import camel
 
+TUNING_OFF_MESSAGE = "spec.tuning.mode is off: knobs stay at spec.engine"
+
 
 @dataclass
 class Observation:
@@ -101,7 +103,7 @@ def compute_status(obs: Observation, current: dict | None, now: str) -> dict:
         put(DEGRADED, False, "AsExpected", "")
 
     if obs.tuning_mode == "off":
-        put(TUNED, False, "TuningOff", "spec.tuning.mode is off: knobs stay at spec.engine")
+        put(TUNED, False, "TuningOff", TUNING_OFF_MESSAGE)
     elif obs.tuning_mode is not None and get_condition(conditions, TUNED) is None:
         put(TUNED, None, "WaitingForMetrics", f"tuning mode {obs.tuning_mode}: no decision yet")
 
