@@ -67,6 +67,7 @@ def test_printer_columns_show_readiness_knobs_and_p99s():
     assert columns["Max-Seqs"] == ".status.knobs.maxNumSeqs"
     assert columns["Chunk"] == ".status.knobs.prefillChunkSize"
     assert columns["TTFT-P99-ms"] == ".status.ttftP99Ms" and columns["ITL-P99-ms"] == ".status.itlP99Ms"
+    assert columns["Tuned"] == '.status.conditions[?(@.type=="Tuned")].status'
 
 
 def test_samples_validate_against_the_schema_and_the_operator():
