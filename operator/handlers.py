@@ -40,6 +40,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # our own Events say what happened (kopf.event, unfiltered); kopf's log-based ones only for failures
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pod call drowns the log
     # Watching chosen namespaces: take their names as given rather than list the cluster's namespaces,
     # which would need cluster-wide rights on namespaces for nothing.
     settings.scanning.disabled = bool(getattr(memo, "namespaces", None))
@@ -111,8 +112,12 @@ def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
             _report(llmservice, result, drift=False)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, id="tuner", when=lambda spec, **_: tuning_loop.tuning_enabled(spec))
-def tune(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
-    tuning_loop.run_daemon(memo.kube, body, stopped, emit=lambda event: kopf.event(body, **event),
-                           prometheus_url=getattr(memo, "prometheus_url", None), metrics=memo.operator_metrics,
-                           pod_timeout=POD_TIMEOUT_SECONDS)
+# An async daemon: each tick runs in a thread of its own (tuning_loop.run_daemon); between ticks it holds
+# none, so tuned services do not take kopf's workers from the reconciles. cancellation_backoff: on a stop,
+# a tick under way (pod calls time out after POD_TIMEOUT_SECONDS each) gets this long to finish.
+@kopf.daemon(GROUP, VERSION, PLURAL, id="tuner", when=lambda spec, **_: tuning_loop.tuning_enabled(spec),
+             cancellation_backoff=4 * POD_TIMEOUT_SECONDS + 5)
+async def tune(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
+    await tuning_loop.run_daemon(memo.kube, body, stopped, emit=lambda event: kopf.event(body, **event),
+                                 prometheus_url=getattr(memo, "prometheus_url", None),
+                                 metrics=memo.operator_metrics, pod_timeout=POD_TIMEOUT_SECONDS)

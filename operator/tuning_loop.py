@@ -18,6 +18,7 @@ reconcile never interleave), one tick:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -214,10 +215,12 @@ def tuned_of(body) -> tuple[str, str] | None:
     return None if condition is None else (condition.get("status"), condition.get("reason"))
 
 
-def run_daemon(kube: Kube, body, stopped, *, emit: Callable[[dict], None], prometheus_url: str | None = None,
-               metrics: OperatorMetrics | None = None, pod_timeout: float = 3.0) -> None:
-    """Tick one LLMService until `stopped` (kopf's DaemonStopped, or a threading.Event) is set. `body` is
-    the live object (kopf keeps a daemon's body up to date); `emit(event)` posts an Event on it."""
+async def run_daemon(kube: Kube, body, stopped, *, emit: Callable[[dict], None], prometheus_url: str | None = None,
+                     metrics: OperatorMetrics | None = None, pod_timeout: float = 3.0) -> None:
+    """Tick one LLMService until `stopped` (kopf's DaemonStopped) is set. `body` is the live object (kopf
+    keeps a daemon's body up to date); `emit(event)` posts an Event on it. Async, and each tick (blocking
+    HTTP) in a thread of its own: between ticks the daemon holds no thread, so any number of tuned
+    services leaves kopf's workers to the reconciles."""
     meta = body["metadata"]
     loop = TuningLoop(kube, meta["namespace"], meta["name"], metrics_source(prometheus_url, pod_timeout),
                       metrics, pod_timeout, memory=EventMemory(tuned=tuned_of(body)))
@@ -225,10 +228,10 @@ def run_daemon(kube: Kube, body, stopped, *, emit: Callable[[dict], None], prome
                 f"Prometheus at {prometheus_url}" if prometheus_url else "reading the pods' /metrics")
     try:
         while not stopped.is_set():
-            delay, events = loop.run_once(body)
+            delay, events = await asyncio.to_thread(loop.run_once, body)
             for event in events:
                 emit(event)
-            stopped.wait(delay)
+            await stopped.wait(delay)
     finally:
-        loop.close()
+        await asyncio.to_thread(loop.close)
         logger.info("%s/%s: tuner stopped", loop.namespace, loop.name)
