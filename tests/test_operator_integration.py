@@ -35,7 +35,9 @@ def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster,
     kube, ns = admin_kube(kube_cluster), kube_namespace
     apply_llmservice(kube_cluster, ns, "chat", {"engine": {"maxNumSeqs": 12, "kvCacheMemory": "64MiB"},
                                                 "apiKeySecretRef": {"name": "chat-key"},
-                                                "tuning": {"mode": "observe"}})
+                                                # the tuner ticks once, then not for an hour
+                                                "tuning": {"mode": "observe", "intervalSeconds": 3600,
+                                                           "windowSeconds": 3600}})
     uid = kube.get_llmservice(ns, "chat")["metadata"]["uid"]
     wait_until(lambda: children_of(kube, ns, "chat") == ONE_OF_EACH, timeout=TIMEOUT, what="the children")
     deployment = kube.get("apps/v1", "Deployment", ns, "chat")
@@ -57,13 +59,18 @@ def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster,
                           and o["status"].get("observedGeneration") == 1, "status written")
     assert (condition(svc, "Ready")["status"], condition(svc, "Ready")["reason"]) == ("False", "ReplicasNotReady")
     assert condition(svc, "Degraded")["status"] == "False"
-    assert (condition(svc, "Tuned")["status"], condition(svc, "Tuned")["reason"]) == ("Unknown", "WaitingForMetrics")
+    assert condition(svc, "Tuned")["status"] == "Unknown"  # WaitingForMetrics, or NotObserved from the tuner
     assert all(c["lastTransitionTime"] and c["observedGeneration"] == 1 for c in svc["status"]["conditions"])
     table = kube_cluster.kubectl("get", "llmsvc", "chat", "-n", ns).stdout.split("\n")
     header, row = table[0].split(), table[1].split()
     assert header[:8] == ["NAME", "READY", "REPLICAS", "MAX-SEQS", "CHUNK", "TTFT-P99-MS", "ITL-P99-MS", "TUNING"]
     assert row[:6] == ["chat", "0", "1", "12", "256", "observe"]  # no p99 measured yet: empty columns
 
+    # the tuner's first tick: no ready pod, nothing measured, no verdict
+    svc = wait_for_status(kube, ns, "chat", lambda o: o["status"].get("lastDecision"), "the tuner's first tick")
+    assert svc["status"]["lastDecision"]["action"] == "hold" and "too few samples" in \
+        svc["status"]["lastDecision"]["reason"]
+    assert (condition(svc, "Tuned")["status"], condition(svc, "Tuned")["reason"]) == ("Unknown", "NotObserved")
     # the tuner's fields and Tuned condition, written as the tuner does, survive the operator's resyncs
     write_tuning_status(kube, ns, "chat", {"ttftP99Ms": 812.5, "itlP99Ms": 41.2, "kvCacheUsage": 0.25,
                                            "lastDecision": {"action": "hold", "reason": "within the SLO",
