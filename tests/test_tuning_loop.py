@@ -170,3 +170,21 @@ def test_a_failing_change_is_reported_once_per_target():
     assert events_for(failed, memory) == []
     assert reasons(events_for(record(RAISE_SEQS, raised, applied=True, changed=True, tuned=BREACHED,
                                      slo_met=False), memory)) == ["KnobsChanged"]
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--metrics-port", "0"], None, "--metrics-port must be in 1..65535, got 0"),
+    ([], "70000", "--metrics-port must be in 1..65535, got 70000"),
+])
+def test_operator_refuses_a_bad_metrics_port(argv, env, message, monkeypatch, capsys):
+    import argparse
+
+    from iterserve.operator import cli
+
+    if env is not None:
+        monkeypatch.setenv("ITERSERVE_OPERATOR_METRICS_PORT", env)
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["operator", "--standalone", *argv])
+    assert cli.run(args) == 2  # before anything is started
+    assert message in capsys.readouterr().out
