@@ -144,6 +144,9 @@ class TuningLoop:
         except (ApiException, RuntimeError) as e:  # the API server's trouble: try again next time
             logger.warning("%s/%s: tuning tick failed: %s", self.namespace, self.name, short_error(e))
             return RETRY_SECONDS, []
+        except Exception:  # e.g. the API server unreachable; a tick never ends the daemon and its memory
+            logger.exception("%s/%s: tuning tick failed", self.namespace, self.name)
+            return RETRY_SECONDS, []
         if record is None:
             return RETRY_SECONDS, []
         return next_delay(self.interval_s, time.monotonic() - started), events_for(record, self.memory)
