@@ -1,0 +1,126 @@
+"""benchmarks/tuning.py: its pure figures (step load, windows, p99 with requests that never started,
+convergence), and the whole script end to end in seconds on a tiny model (the figures mean nothing
+there; that it runs, drives the tuner live and writes its JSON is what is checked)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.tuning import best_static, main, verdict
+from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
+from benchmarks.tuning_runs import convergence_s, within_one_step
+from iterserve.operator.tuning.policy import TuningPolicy
+from iterserve.server.bench.client import RequestRecord
+from tests.server_support import add_tiny_tokenizer
+
+POLICY = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100)  # seqs_step 2, back-off x0.5, chunk factor 2
+
+
+def test_step_load_is_seeded_and_steps_its_rate():
+    load = StepLoad((Phase(5.0, 100), Phase(20.0, 100), Phase(5.0, 100)), seed=3)
+    schedule = load.schedule()
+    assert [(t, s.prompt_ids, s.max_tokens) for t, s in schedule] == \
+        [(t, s.prompt_ids, s.max_tokens) for t, s in load.schedule()]
+    per_phase = [sum(lo <= t < lo + 100 for t, _ in schedule) for lo in (0, 100, 200)]
+    assert 400 < per_phase[0] < 600 and 1700 < per_phase[1] < 2300 and 400 < per_phase[2] < 600
+    assert all(0 <= t < 300 for t, _ in schedule) and [s.index for _, s in schedule] == list(range(len(schedule)))
+    longs = [s for _, s in schedule if s.kind == "long"]
+    assert 0.4 < len(longs) / len(schedule) < 0.6
+    assert all(280 <= s.input_len <= 320 for s in longs) and all(32 <= s.max_tokens <= 96 for _, s in schedule)
+    assert StepLoad(load.phases, seed=4).arrivals() != load.arrivals()
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([], None),
+    ([1.0, 2.0, 3.0], 2.98),
+    ([1.0, 2.0, math.inf], math.inf),  # interpolating toward a request that never started
+    ([1.0] * 200 + [math.inf], 1.0),  # one in 201 is beyond the p99's ranks
+])
+def test_p99(values, expected):
+    assert p99(values) == pytest.approx(expected) if expected is not None else p99(values) is None
+
+
+def record(start, first=None, chunks=(), ok=True) -> RequestRecord:
+    r = RequestRecord(index=0, kind="long", max_tokens=len(chunks), start=start, first_token=first,
+                      chunk_times=list(chunks), end=chunks[-1] if chunks and ok else None)
+    if not ok:
+        r.fail("cancelled", "stopped", start + 100)
+    return r
+
+
+def test_windows_charge_ttft_to_arrival_and_gaps_to_their_end():
+    records = [record(1.0, 1.5, [1.5, 1.55, 1.6]),  # window 0: TTFT 500 ms, gaps 50 ms
+               record(12.0, 14.0, [14.0, 14.05, 21.0]),  # arrives in window 1 (TTFT 2 s); a 7 s gap ends in 2
+               record(25.0, ok=False)]  # window 2: never got a first token
+    w = window_figures(records, 40.0, 10.0, {"ttft": 1000, "itl": 100})
+    assert [x["within_slo"] for x in w] == [True, False, False, None]
+    assert w[0]["ttft_p99_ms"] == 500.0 and w[1]["ttft_p99_ms"] == 2000.0 and w[2]["ttft_p99_ms"] == math.inf
+    assert w[1]["itl_p99_ms"] == 50.0 and w[2]["itl_p99_ms"] == 6950.0 and w[3]["num_arrivals"] == 0
+
+
+def knobs(seqs, chunk, t=0.0):
+    return {"t_s": t, "max_num_seqs": seqs, "prefill_chunk_size": chunk}
+
+
+@pytest.mark.parametrize("a, b, near", [
+    (knobs(8, 64), knobs(10, 64), True),  # one additive step
+    (knobs(32, 64), knobs(16, 64), True),  # one back-off
+    (knobs(64, 64), knobs(16, 64), False),
+    (knobs(8, 128), knobs(8, 64), True),  # one chunk factor
+    (knobs(8, 256), knobs(8, 64), False),
+])
+def test_within_one_step(a, b, near):
+    assert within_one_step(a, b, POLICY) is near
+
+
+@pytest.mark.parametrize("trajectory, expected", [
+    ([knobs(64, 256)], 0.0),  # never moved
+    ([knobs(64, 256), knobs(32, 256, 18), knobs(16, 256, 33)], 20.0),  # 32 is one back-off from 16
+    ([knobs(64, 256), knobs(8, 64, 5), knobs(64, 256, 95)], None),  # left a step away after the last window
+    ([knobs(64, 256), knobs(8, 64, 5), knobs(8, 256, 40), knobs(8, 64, 61)], 70.0),
+])
+def test_convergence(trajectory, expected):
+    assert convergence_s(trajectory, 10.0, 100.0, POLICY) == expected
+
+
+def test_best_static_and_verdict():
+    grid = [{"max_num_seqs": 4, "prefill_chunk_size": 64, "goodput_rps": 0.5, "windows_within_slo": 0.5},
+            {"max_num_seqs": 8, "prefill_chunk_size": 64, "goodput_rps": 0.5, "windows_within_slo": 0.8},
+            {"max_num_seqs": 64, "prefill_chunk_size": 256, "goodput_rps": 0.2, "windows_within_slo": 1.0}]
+    assert best_static(grid) is grid[1]
+    v = verdict({"goodput_rps": 0.56, "windows_within_slo_after_convergence": 0.99}, grid)
+    assert v["best_static"] == {"max_num_seqs": 8, "prefill_chunk_size": 64}
+    assert v["goodput_ratio"] == pytest.approx(1.12) and v["goodput_pass"] and v["windows_pass"]
+    v = verdict({"goodput_rps": 0.5, "windows_within_slo_after_convergence": None}, grid)
+    assert not v["goodput_pass"] and not v["windows_pass"]
+
+
+def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
+    """A real server, the real tuner and every run of the script, shrunk to a few seconds each."""
+    model = add_tiny_tokenizer(tiny_llama[0], tmp_path / "model")
+    out = tmp_path / "tuning.json"
+    main(["--quick", "--model", model, "--threads", "1", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
+          "--rates", "4,8,4", "--fixed-rates", "--phase-s", "2", "--long-prompt", "40,60", "--short-prompt", "4,8", "--output", "4,8",
+          "--grid-seqs", "2,4", "--grid-chunks", "16", "--window-s", "2", "--tick-s", "0.5",
+          "--tuner-window-s", "1", "--drain-s", "10", "--out", str(out)])
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "tuned / best static goodput" in printed and ("PASS" in printed or "MISS" in printed)
+    n = result["num_requests"]
+    assert 10 < n < 100 and result["slo_ms"]["ttft"] > 0 and result["calibration"]["num_requests"] == 4
+    assert result["rate_scale"] == 1.0 and [p["rate"] for p in result["load"]["phases"]] == [4, 8, 4]
+    assert [(g["max_num_seqs"], g["prefill_chunk_size"]) for g in result["grid"]] == [(2, 16), (4, 16)]
+    for run in [result["tuned"], *result["grid"]]:
+        assert run["num_requests"] == n and run["num_completed"] == n  # the tiny model keeps up
+        assert len(run["windows"]) == 3
+    tuned = result["tuned"]
+    # the tuner ran live: its first tick brought the default knobs (64/256) into the grid's bounds
+    assert tuned["trajectory"][0] == {"t_s": 0.0, "max_num_seqs": 64, "prefill_chunk_size": 256, "action": "initial"}
+    assert tuned["trajectory"][1]["action"] == "clamp_to_bounds"
+    assert (tuned["trajectory"][1]["max_num_seqs"], tuned["trajectory"][1]["prefill_chunk_size"]) == (4, 16)
+    assert len(tuned["ticks"]) >= 5 and not tuned["tuner_errors"]
+    assert result["verdict"]["best_static"] in [{"max_num_seqs": 2, "prefill_chunk_size": 16},
+                                                {"max_num_seqs": 4, "prefill_chunk_size": 16}]
