@@ -36,7 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tuning_load import Phase, StepLoad, run_figures, send_load, share_within
+from benchmarks.tuning_load import Phase, StepLoad, num_good_before, run_figures, send_load, share_within
 from benchmarks.tuning_runs import DEFAULT_KNOBS, Server, calibrate, convergence_s, run_tuned
 from iterserve.operator.tuning.policy import TuningPolicy
 
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ttft-factor", type=float, default=3.0, help="TTFT SLO / unloaded TTFT of a long prompt")
     ap.add_argument("--itl-factor", type=float, default=5.0, help="ITL SLO / unloaded median inter-token gap")
     ap.add_argument("--fixed-rates", action="store_true",
-                    help=f"send --rates as given (default: scaled by {REFERENCE_ITL_MS:g} ms / the unloaded median ITL)")
+                    help=f"send --rates as given (default: x {REFERENCE_ITL_MS:g} ms / the unloaded median ITL)")
     ap.add_argument("--tick-s", type=float, default=2.0, help="the tuner's interval")
     ap.add_argument("--tuner-window-s", type=float, default=12.0, help="the tuner's window (and cooldown)")
     ap.add_argument("--min-samples", type=int, default=3, help="first tokens a tuner window needs")
@@ -165,6 +165,7 @@ def run_all(args) -> dict:
     finally:
         server.stop()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "noise_check": noise_check(tuned, grid),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads},
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "load": load.describe(), "num_requests": len(load.schedule()), "slo_ms": slo, "calibration": cal,
@@ -179,6 +180,20 @@ def with_load_average(run, *args) -> dict:
     before = os.getloadavg()[0]
     figures = run(*args)
     return {**figures, "load_average": [round(before, 2), round(os.getloadavg()[0], 2)]}
+
+
+def noise_check(tuned: dict, grid: list[dict]) -> dict | None:
+    """Until the tuner's first change the tuned run ran the default knobs, as the static run of the
+    default knobs did all along: their good requests among those that arrived by then differ by noise
+    alone (the machine's speed from one run to the next). None when the grid lacks the default or the
+    tuner moved at once."""
+    until = next((k["t_s"] for k in tuned["trajectory"][1:]), None)
+    default = next((g for g in grid if (g["max_num_seqs"], g["prefill_chunk_size"]) ==
+                    (DEFAULT_KNOBS.max_num_seqs, DEFAULT_KNOBS.prefill_chunk_size)), None)
+    if not until or default is None:
+        return None
+    (tuned_good, n), (static_good, _) = num_good_before(tuned, until), num_good_before(default, until)
+    return {"until_s": until, "num_requests": n, "tuned_good": tuned_good, "static_default_good": static_good}
 
 
 def row_text(f: dict) -> str:
@@ -212,7 +227,7 @@ def print_table(result: dict) -> None:
     print(f"\n{'configuration (max_num_seqs/chunk)':<36} {'goodput req/s':>13} {'good/sent':>10} "
           f"{'windows in SLO':>14} {'p99 TTFT ms':>11} {'p99 ITL ms':>10} {'load avg':>10}")
     rows = [(f"static {g['max_num_seqs']}/{g['prefill_chunk_size']}" + (" (best static)" if g is best else ""), g)
-            for g in grid] + [("tuned from 64/256", tuned)]
+            for g in grid] + [(f"tuned from {DEFAULT_KNOBS.max_num_seqs}/{DEFAULT_KNOBS.prefill_chunk_size}", tuned)]
     for name, f in rows:
         print(f"{name:<36} {f['goodput_rps']:>13.3f} {f['num_good']:>4}/{f['num_requests']:<5} "
               f"{pct(f['windows_within_slo']):>14} {f['ttft_p99_ms']!s:>11} {f['itl_p99_ms']!s:>10} "
@@ -222,6 +237,12 @@ def print_table(result: dict) -> None:
         f"{k['max_num_seqs']}/{k['prefill_chunk_size']} from {k['t_s']:.0f} s" for k in tuned["trajectory"]))
     print(f"\nSLO p99 TTFT {result['slo_ms']['ttft']:g} ms, p99 ITL {result['slo_ms']['itl']:g} ms; windows of "
           f"{result['args']['window_s']:g} s; tuner converged at {'never' if conv is None else f'{conv:g} s'}")
+    check = result["noise_check"]
+    if check:
+        print(f"noise check: until its first change ({check['until_s']:g} s) the tuned run had the default knobs; of "
+              f"the {check['num_requests']} requests sent by then {check['tuned_good']} were good there, "
+              f"{check['static_default_good']} in the static {DEFAULT_KNOBS.max_num_seqs}/"
+              f"{DEFAULT_KNOBS.prefill_chunk_size} run (the same requests and knobs)")
     print(f"tuned / best static goodput: {v['goodput_ratio']:.2f}x (target >= {GOODPUT_TARGET}x) "
           f"{'PASS' if v['goodput_pass'] else 'MISS'}")
     print(f"windows within SLO after convergence: {pct(v['windows_after_convergence'])} "

@@ -29,7 +29,7 @@ import numpy as np
 
 from iterserve.server.bench.client import (RequestRecord, Target, fetch_models, probe_target, run_clock,
                                            stream_request)
-from iterserve.server.bench.report import goodput, itls
+from iterserve.server.bench.report import goodput, itls, meets_slo
 from iterserve.server.bench.workload import LengthDist, RequestSpec, WorkloadSpec, generate_requests
 
 
@@ -187,4 +187,19 @@ def run_figures(records: list[RequestRecord], load: StepLoad, window_s: float, s
             "num_good": good["num_good"], "goodput_rps": good["request_rate"], "attainment": good["attainment"],
             "windows_within_slo": share_within(windows), "windows": windows,
             "ttft_p99_ms": _ms(p99([r.first_token - r.start for r in ok if r.first_token is not None])),
-            "itl_p99_ms": _ms(p99([g for r in ok for g in itls(r)]))}
+            "itl_p99_ms": _ms(p99([g for r in ok for g in itls(r)])),
+            "requests": [request_summary(r, slo_ms) for r in records]}
+
+
+def request_summary(r: RequestRecord, slo_ms: dict[str, float]) -> dict:
+    """What goodput read of one request (kept in the JSON so every figure can be recomputed)."""
+    first = r.first_token - r.start if r.first_token is not None else None
+    return {"index": r.index, "kind": r.kind, "start_s": r.start, "ttft_ms": _ms(first),
+            "max_itl_ms": _ms(max(itls(r), default=None)), "error": r.error_kind,
+            "good": r.ok and all(meets_slo(r, slo_ms).values())}
+
+
+def num_good_before(figures: dict, until_s: float) -> tuple[int, int]:
+    """(good, sent) among the requests of a run that arrived before `until_s`."""
+    early = [q for q in figures["requests"] if q["start_s"] < until_s]
+    return sum(q["good"] for q in early), len(early)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from benchmarks.tuning import best_static, main, verdict
+from benchmarks.tuning import best_static, main, noise_check, verdict
 from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
 from benchmarks.tuning_runs import convergence_s, within_one_step
 from iterserve.operator.tuning.policy import TuningPolicy
@@ -98,13 +98,26 @@ def test_best_static_and_verdict():
     assert not v["goodput_pass"] and not v["windows_pass"]
 
 
+def test_noise_check_compares_the_requests_sent_before_the_first_change():
+    def run(goods):
+        return {"requests": [{"start_s": float(t), "good": g} for t, g in enumerate(goods)]}
+
+    tuned = {**run([True, True, True, False, True]),
+             "trajectory": [knobs(64, 256), {**knobs(64, 128, 3.0), "action": "lower_prefill_chunk_size"}]}
+    grid = [{"max_num_seqs": 64, "prefill_chunk_size": 256, **run([True, False, True, True, True])},
+            {"max_num_seqs": 8, "prefill_chunk_size": 64, **run([True] * 5)}]
+    assert noise_check(tuned, grid) == {"until_s": 3.0, "num_requests": 3, "tuned_good": 3, "static_default_good": 2}
+    assert noise_check(tuned, grid[1:]) is None  # no static run of the default knobs
+    assert noise_check({**tuned, "trajectory": tuned["trajectory"][:1]}, grid) is None  # the tuner never moved
+
+
 def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     """A real server, the real tuner and every run of the script, shrunk to a few seconds each."""
     model = add_tiny_tokenizer(tiny_llama[0], tmp_path / "model")
     out = tmp_path / "tuning.json"
     main(["--quick", "--model", model, "--threads", "1", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
-          "--rates", "4,8,4", "--fixed-rates", "--phase-s", "2", "--long-prompt", "40,60", "--short-prompt", "4,8", "--output", "4,8",
-          "--grid-seqs", "2,4", "--grid-chunks", "16", "--window-s", "2", "--tick-s", "0.5",
+          "--rates", "4,8,4", "--fixed-rates", "--phase-s", "2", "--long-prompt", "40,60", "--short-prompt", "4,8",
+          "--output", "4,8", "--grid-seqs", "2,4", "--grid-chunks", "16", "--window-s", "2", "--tick-s", "0.5",
           "--tuner-window-s", "1", "--drain-s", "10", "--out", str(out)])
     result = json.loads(out.read_text())
     printed = capsys.readouterr().out
@@ -116,6 +129,7 @@ def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     for run in [result["tuned"], *result["grid"]]:
         assert run["num_requests"] == n and run["num_completed"] == n  # the tiny model keeps up
         assert len(run["windows"]) == 3
+        assert len(run["requests"]) == n and sum(q["good"] for q in run["requests"]) == run["num_good"]
     tuned = result["tuned"]
     # the tuner ran live: its first tick brought the default knobs (64/256) into the grid's bounds
     assert tuned["trajectory"][0] == {"t_s": 0.0, "max_num_seqs": 64, "prefill_chunk_size": 256, "action": "initial"}
