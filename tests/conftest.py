@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# The Triton kernel tests run under the interpreter. Triton decorates its own `tl.*` helpers when it is
+# first imported, and that decides interpreted or compiled for good; transformers (and schemathesis)
+# import triton, so the switch must be set before any test module imports anything.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.engine_factory import build_engine
