@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.kernels.attention_metadata import AttentionMetadata
+from iterserve.server.model.cpu_linear import PackedLinear
 from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.model.rope import RotaryEmbedding
 
@@ -127,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
         # module between devices and dtypes cannot untie it.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_lm_head: PackedLinear | None = None  # set by pack_wide_linears()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -136,8 +138,20 @@ class LlamaForCausalLM(nn.Module):
         return self.layer_ops.add_rms_norm(self.norm, x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
+        return F.linear(hidden, self._lm_head_weight()).float()
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def pack_wide_linears(self) -> None:
+        """Run the LM head and every gate/up projection through oneDNN packed weights (fp32 CPU only;
+        see server/model/cpu_linear.py). Call after the weights are loaded: the packed copies are made now."""
+        self.packed_lm_head = PackedLinear(self._lm_head_weight())
+        for layer in self.layers:
+            layer.mlp.gate_up_proj = PackedLinear(layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias)
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:

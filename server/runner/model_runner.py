@@ -12,6 +12,7 @@ import logging
 import torch
 
 from iterserve.server.engine.scheduler import SchedulerOutput
+from iterserve.server.model.cpu_linear import onednn_packing_supported
 from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.runner.backends import make_backend, num_sms
@@ -42,6 +43,8 @@ class ModelRunner:
             model.init_dummy_weights()
         else:
             model.load_weights(weights)
+        if onednn_packing_supported(device, dtype):
+            model.pack_wide_linears()
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and self.backend.name == "triton"
