@@ -22,8 +22,8 @@ START = Knobs(max_num_seqs=8, max_num_batched_tokens=512, prefill_chunk_size=128
 
 def window(ttft=500, itl=50, n=100, kv=0.3, waiting=0.0, preempt=0.0, errors=0.0, running=None) -> Observation:
     """One window's figures in ms, with its sample count and load signals; requests wait behind a full batch
-    (as many running as the bounds allow) unless told otherwise."""
-    running = (32 if waiting else 2) if running is None else running
+    (as many running as the bounds allow) unless told otherwise, and without waiting START's cap runs full."""
+    running = (32 if waiting else 8) if running is None else running
     return Observation(start=0, end=10, num_pods=1, num_samples=n, ttft_p99_s=ttft / 1000, itl_p99_s=itl / 1000,
                        request_rate=5, prompt_token_rate=100, generation_token_rate=200, waiting=waiting,
                        running=running,
@@ -93,6 +93,19 @@ def test_decision_table(name, windows, want_actions, want_seqs, want_tuned):
         b = POLICY.max_num_seqs_bounds
         assert b.min <= d.state.knobs.max_num_seqs <= b.max
         assert d.reason
+
+
+def test_back_off_halves_the_batch_that_ran_not_an_unfilled_cap():
+    """Both p99s over with 10 requests running under a cap of 32: halving the cap would change nothing."""
+    start = TunerState(START.replace(max_num_seqs=32))
+    d = run([window(ttft=1300, itl=120, running=9.2)] * 2, state=start)
+    assert actions(d) == [HOLD, BACK_OFF_SEQS] and seqs(d) == [32, 5]
+    # preemptions too: the KV cache could not hold the 6 that ran
+    d = run([window(preempt=1.0, running=6)], state=start)
+    assert actions(d) == [BACK_OFF_SEQS] and seqs(d) == [3]
+    # per pod: 12 running over 3 pods is 4 each
+    spread = dataclasses.replace(window(ttft=3000, itl=400, running=12), num_pods=3)
+    assert seqs(run([spread], state=start)) == [2]
 
 
 def test_itl_breach_with_ttft_headroom_lowers_chunk_then_backs_off_at_its_bound():

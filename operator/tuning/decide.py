@@ -8,7 +8,8 @@ Rules, in order (docs/tuning.md explains each and why):
    errors) is rolled back to the last good setting; a correction that failed to improve the p99 it aimed
    at, or pushed the other p99 over its SLO, is reverted; the failed setting is not retried before
    `retry_after_s`, doubling each time the same knob fails the same way again;
-4. preemptions or failed steps back max_num_seqs off multiplicatively;
+4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
+   that actually ran, when fewer ran than the cap);
 5. a breach (confirmed over `confirm_breaches` windows unless severe) is diagnosed: ITL over while TTFT
    has headroom lowers prefill_chunk_size (prefill stalls decode); TTFT over while ITL has headroom raises
    max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; otherwise
@@ -179,7 +180,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
                          r, _breached(r, state.tuned))
 
     if r.trouble is not None:
-        return _correct(s, policy, now, r, [_back_off_seqs(state.knobs, policy)], r.trouble, aimed=False)
+        return _correct(s, policy, now, r, [_back_off_seqs(state.knobs, obs, policy)], r.trouble, aimed=False)
     if not r.met:
         # a mild breach must last confirm_breaches windows before it is acted on, each p99 on its own: one
         # noisy window of ITL while TTFT is over does not turn a TTFT cure into an ITL one
@@ -244,9 +245,13 @@ def _clamp(knobs: Knobs, policy: TuningPolicy) -> Knobs:
                          prefill_chunk_size=b.clamp(knobs.prefill_chunk_size))
 
 
-def _back_off_seqs(k: Knobs, policy: TuningPolicy) -> tuple[str, Knobs]:
-    lower = policy.max_num_seqs_bounds.clamp(math.floor(k.max_num_seqs * policy.backoff_factor))
-    return BACK_OFF_SEQS, k.replace(max_num_seqs=lower)
+def _back_off_seqs(k: Knobs, obs: Observation, policy: TuningPolicy) -> tuple[str, Knobs]:
+    """A multiplicative decrease of the batch that actually ran (per pod, the window's mean rounded up),
+    not of a cap it never filled: as TCP halves its flight size rather than a window it did not use.
+    Halving a cap of 64 that 6 requests run under changes nothing and would only cost a cooldown."""
+    ran = math.ceil(obs.running / max(1, obs.num_pods)) if obs.running > 0 else k.max_num_seqs
+    lower = policy.max_num_seqs_bounds.clamp(math.floor(min(k.max_num_seqs, ran) * policy.backoff_factor))
+    return BACK_OFF_SEQS, k.replace(max_num_seqs=min(lower, k.max_num_seqs))
 
 
 AIMS = {RAISE_SEQS: "ttft", RAISE_CHUNK: "ttft", LOWER_CHUNK: "itl", BACK_OFF_SEQS: "itl"}
@@ -288,7 +293,7 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
     larger = (RAISE_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.ceil(k.prefill_chunk_size
                                                                               * policy.chunk_factor))))
     more = (RAISE_SEQS, k.replace(max_num_seqs=policy.max_num_seqs_bounds.clamp(k.max_num_seqs + policy.seqs_step)))
-    fewer = _back_off_seqs(k, policy)
+    fewer = _back_off_seqs(k, obs, policy)
     # requests wait for a place in the batch (and the KV cache could hold more): the cap is binding
     capped = _cap_binds(k, obs, policy) and obs.kv_usage < policy.kv_pressure
     if itl_bad and not ttft_bad:
