@@ -115,6 +115,13 @@ def test_itl_breach_with_ttft_headroom_lowers_chunk_then_backs_off_at_its_bound(
     assert "SLO breached" in d[1].reason and "p99 ITL 130 ms" in d[1].reason
 
 
+def test_itl_breach_with_ttft_near_its_slo_still_takes_the_chunk_first():
+    """Backing off max_num_seqs would queue requests and push the TTFT that is already near its SLO over."""
+    d = run([window(ttft=900, itl=130, running=6)] * 2)
+    assert actions(d) == [HOLD, LOWER_CHUNK] and seqs(d) == [8, 8]
+    assert d[-1].state.knobs.prefill_chunk_size == 64
+
+
 def test_ttft_breach_without_queue_raises_chunk_up_to_the_token_budget():
     d = run([TTFT_OVER_NO_QUEUE] * 5)
     assert actions(d) == [HOLD, RAISE_CHUNK, RAISE_CHUNK, HOLD, HOLD]

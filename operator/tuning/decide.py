@@ -11,7 +11,7 @@ Rules, in order (docs/tuning.md explains each and why):
 4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
    that actually ran, when fewer ran than the cap);
 5. a breach (confirmed over `confirm_breaches` windows unless severe) is diagnosed: ITL over while TTFT
-   has headroom lowers prefill_chunk_size (prefill stalls decode); TTFT over while ITL has headroom raises
+   is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while ITL has headroom raises
    max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; otherwise
    max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
 6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
@@ -297,8 +297,10 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
     # requests wait for a place in the batch (and the KV cache could hold more): the cap is binding
     capped = _cap_binds(k, obs, policy) and obs.kv_usage < policy.kv_pressure
     if itl_bad and not ttft_bad:
-        # decode steps are slow; with TTFT headroom, prefill riding along in big chunks is what stalls them
-        return [smaller, fewer] if r.ttft <= room else [fewer, smaller]
+        # decode steps are slow while first tokens come in time: prefill riding along in big chunks stalls
+        # them. The chunk goes first even without TTFT headroom: a back-off queues requests and costs far
+        # more TTFT (0.88 -> 2.63 of its SLO in one window in benchmarks/tuning.py) than a smaller chunk
+        return [smaller, fewer]
     if ttft_bad and not itl_bad:
         if r.itl <= room:
             return [more, larger] if capped else [larger]  # too few places in the batch, or too many steps
