@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -270,4 +271,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    # a `kill` must stop the server too: SystemExit runs the `finally` that terminates it
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     main()
