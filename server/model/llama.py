@@ -128,7 +128,8 @@ class LlamaForCausalLM(nn.Module):
         # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
         # module between devices and dtypes cannot untie it.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.packed_lm_head: PackedLinear | None = None  # set by pack_wide_linears()
+        # set by pack_wide_linears(), on the CPU fp32 path only, once the model will not move any more
+        self.packed_lm_head: PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
