@@ -251,7 +251,7 @@ def _back_off_seqs(k: Knobs, obs: Observation, policy: TuningPolicy) -> tuple[st
     Halving a cap of 64 that 6 requests run under changes nothing and would only cost a cooldown."""
     ran = math.ceil(obs.running / max(1, obs.num_pods)) if obs.running > 0 else k.max_num_seqs
     lower = policy.max_num_seqs_bounds.clamp(math.floor(min(k.max_num_seqs, ran) * policy.backoff_factor))
-    return BACK_OFF_SEQS, k.replace(max_num_seqs=min(lower, k.max_num_seqs))
+    return BACK_OFF_SEQS, k.replace(max_num_seqs=lower)  # never above k: rule 1 keeps k within the bounds
 
 
 AIMS = {RAISE_SEQS: "ttft", RAISE_CHUNK: "ttft", LOWER_CHUNK: "itl", BACK_OFF_SEQS: "itl"}
