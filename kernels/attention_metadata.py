@@ -35,6 +35,8 @@ class SingleQueryGroup:
     context_blocks: torch.Tensor
     # [n, 1, 1, max_blocks * block_size] True inside the request's context
     context_mask: torch.Tensor
+    # [n] tokens each query attends to, its own included: the CPU kernel walks only these, unpadded
+    context_lens: torch.Tensor
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 K/V live in a flat slot-indexed cache per layer, [num_blocks * block_size, num_kv_heads, head_dim];
 a request's context is gathered through its block table, one whole block (a contiguous row of the
-cache viewed as [num_blocks, block_size * num_kv_heads * head_dim]) per index.
+cache viewed as [num_blocks, block_size * num_kv_heads * head_dim]) per index. On the CPU in float32,
+single-query requests go to the C++ kernel of cpu_paged_attention.py instead, which reads the cache in
+place; the gather + SDPA below stays as its reference and its fallback.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata
 
 
@@ -34,7 +37,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     k_blocks = k_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
     v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
+    use_kernel = q.device.type == "cpu" and q.dtype == torch.float32 and cpu_paged_attention.available()
     for g in meta.single_groups:
+        if use_kernel:
+            # Straight from the paged cache: no gathered K/V copies, no padding, no mask.
+            o = cpu_paged_attention.paged_decode_attention(
+                q.index_select(0, g.token_index), k_cache, v_cache, g.context_blocks, g.context_lens,
+                meta.block_size, scale)
+            out.index_copy_(0, g.token_index, o)
+            continue
         batch = g.context_blocks.shape[0]
         ctx = g.context_mask.shape[-1]
         # One query per request: the query heads sharing a KV head become that head's rows, so GQA

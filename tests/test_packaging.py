@@ -67,6 +67,8 @@ def test_regular_install(tmp_path):
     for sub in ("server/engine", "server/model", "server/runner", "server/entrypoints", "server/api", "operator", "kernels"):
         assert list((target / "iterserve" / sub).glob("*.py")), sub
     assert not (target / "operator").exists()
+    # the C++ kernel's source ships too: kernels/cpu_paged_attention.py builds it on first use
+    assert (target / "iterserve" / "kernels" / "csrc" / "paged_decode_attention.cpp").is_file()
     env = {**os.environ, "PYTHONPATH": str(target)}
     r = subprocess.run([sys.executable, "-c", CHECK], cwd=target, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from iterserve.kernels import cpu_paged_attention
 from iterserve.server.engine.scheduler import SchedulerOutput
 from iterserve.server.model.cpu_linear import onednn_packing_supported
 from iterserve.server.model.llama import LlamaForCausalLM
@@ -45,6 +46,8 @@ class ModelRunner:
             model.load_weights(weights)
         if onednn_packing_supported(device, dtype):
             model.pack_wide_linears()
+        if self.backend.name == "torch" and device.type == "cpu" and dtype == torch.float32:
+            cpu_paged_attention.available()  # its one-time build happens at start-up, not in a request's step
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and self.backend.name == "triton"

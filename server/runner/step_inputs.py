@@ -115,6 +115,7 @@ def build_torch_metadata(layout: StepLayout, device: torch.device) -> AttentionM
             token_index=torch.from_numpy(starts[group]).to(device),
             context_blocks=torch.from_numpy(blocks).to(device),
             context_mask=torch.from_numpy(mask).to(device)[:, None, None, :],
+            context_lens=torch.from_numpy(ctx).to(device),
         ))
 
     multi_queries = []
