@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--output", type=ints, default=[16, 48], help="output tokens MIN,MAX (uniform, ignore_eos)")
     ap.add_argument("--long-prompt", type=ints, default=[280, 320], help="long prompts' tokens MIN,MAX")
     ap.add_argument("--short-prompt", type=ints, default=[20, 40], help="short prompts' tokens MIN,MAX")
+    ap.add_argument("--long-share", type=float, default=0.5, help="share of the requests with a long prompt")
     ap.add_argument("--window-s", type=float, default=10.0, help="window of the within-SLO figure")
     ap.add_argument("--grid-seqs", type=ints, default=[4, 8, 64])
     ap.add_argument("--grid-chunks", type=ints, default=[32, 64, 256])
@@ -111,7 +112,7 @@ def after_convergence(figures: dict, start_s: float | None) -> float | None:
 def make_load(args, speed: float = 1.0) -> StepLoad:
     return StepLoad(tuple(Phase(round(r * speed, 3), args.phase_s) for r in args.rates),
                     long_prompt=tuple(args.long_prompt), short_prompt=tuple(args.short_prompt),
-                    output=tuple(args.output), seed=args.seed)
+                    long_share=args.long_share, output=tuple(args.output), seed=args.seed)
 
 
 def tuned_run(server: Server, load: StepLoad, policy: TuningPolicy, args) -> dict:

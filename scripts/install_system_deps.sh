@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent: installs the Debian packages the Kubernetes tests need (Go to build kube-apiserver and
-# kube-controller-manager from Debian's source package, etcd, Prometheus, and build tools).
+# kube-controller-manager from Debian's source package, etcd, Prometheus, and build tools), and g++ and
+# ninja, which build the C++ CPU attention kernel (kernels/cpu_paged_attention.py) on first use.
 # Does nothing when every package is already installed; otherwise needs root (apt-get install).
 set -euo pipefail
-packages=(golang-go etcd-server prometheus make rsync jq openssl golang-github-modern-go-reflect2-dev dpkg-dev)
+packages=(golang-go etcd-server prometheus make rsync jq openssl golang-github-modern-go-reflect2-dev dpkg-dev g++ ninja-build)
 missing=()
 for package in "${packages[@]}"; do
   status=$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null || true)
