@@ -112,3 +112,10 @@ def children_of(kube: Kube, namespace: str, name: str) -> dict[str, list[str]]:
 def events_for(kube: Kube, namespace: str, name: str) -> list[dict]:
     return [e for e in kube.list("v1", "Event", namespace)
             if e["involvedObject"].get("kind") == "LLMService" and e["involvedObject"].get("name") == name]
+
+
+def wait_for_event(kube: Kube, namespace: str, name: str, predicate, what: str, timeout: float = TIMEOUT) -> dict:
+    """The first Event of the LLMService that satisfies `predicate`. Waited for: the operator posts events
+    after it patches the status, so an event can land a moment after the status a test waited for."""
+    return wait_until(lambda: next((e for e in events_for(kube, namespace, name) if predicate(e)), None),
+                      timeout=timeout, what=f"{namespace}/{name}: event {what}")

@@ -14,7 +14,7 @@ from iterserve.operator.tuning.act import get_scheduler
 from tests.kube_support import wait_until
 from tests.operator_support import (
     TIMEOUT, admin_kube, apply_llmservice, assert_no_denials, children_of, condition, events_for, log_of,
-    merge_patch_llmservice, operator_rbac, start_operator, wait_for_status,
+    merge_patch_llmservice, operator_rbac, start_operator, wait_for_event, wait_for_status,
 )
 
 __all__ = ["operator_rbac"]  # a fixture, used by name
@@ -82,8 +82,8 @@ def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster,
     assert condition(svc, "Ready")["reason"] == "ReplicasNotReady" and svc["status"]["ttftP99Ms"] == 812.5
     row = kube_cluster.kubectl("get", "llmsvc", "chat", "-n", ns).stdout.split("\n")[1].split()
     assert row[:8] == ["chat", "0", "1", "12", "256", "812.5", "41.2", "observe"]
-    assert any(e["reason"] == "Created" and "Deployment chat created" in e["message"]
-               for e in events_for(kube, ns, "chat"))
+    wait_for_event(kube, ns, "chat", lambda e: e["reason"] == "Created" and "Deployment chat created" in e["message"],
+                   "Created")
 
     # the scale subresource: kubectl scale (and an HPA) drive spec.replicas; more than one gets a PDB
     kube_cluster.kubectl("scale", "llmsvc/chat", "-n", ns, "--replicas=3")
@@ -118,8 +118,8 @@ def test_cross_field_error_is_reported_then_fixed(kube_cluster, kube_namespace, 
     svc = wait_for_status(kube, ns, "chat", lambda o: condition(o, "Degraded").get("reason") == "InvalidSpec",
                           "Degraded InvalidSpec")
     assert "spec.model.path: required when source is path" in condition(svc, "Degraded")["message"]
-    assert any(e["type"] == "Warning" and e["reason"] == "InvalidSpec" and "spec.model.path" in e["message"]
-               for e in events_for(kube, ns, "chat"))
+    wait_for_event(kube, ns, "chat", lambda e: e["type"] == "Warning" and e["reason"] == "InvalidSpec"
+                   and "spec.model.path" in e["message"], "InvalidSpec")
     assert kube.get("apps/v1", "Deployment", ns, "chat") is None
     merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"model": {"path": "/models/tiny"}}})
     wait_for_status(kube, ns, "chat", lambda o: condition(o, "Degraded").get("status") == "False"
@@ -153,8 +153,8 @@ def test_deleted_or_edited_children_come_back(kube_cluster, kube_namespace, oper
     assert admin_token_of(kube.get("v1", "Secret", ns, "chat-admin")) != old_token
     k("delete", "deployment", "chat", "-n", ns)
     wait_until(lambda: children_of(kube, ns, "chat") == ONE_OF_EACH, timeout=TIMEOUT, what="the Deployment back")
-    reasons = {e["reason"] for e in events_for(kube, ns, "chat")}
-    assert {"Created", "DriftRepaired"} <= reasons, reasons
+    wait_for_event(kube, ns, "chat", lambda e: e["reason"] == "Created", "Created")
+    wait_for_event(kube, ns, "chat", lambda e: e["reason"] == "DriftRepaired", "DriftRepaired")
 
 
 def test_operator_killed_mid_reconcile_converges_without_duplicates(kube_cluster, kube_namespace, operator_rbac):
@@ -301,8 +301,8 @@ def test_knob_edit_is_live_and_template_edit_rolls_out(kube_cluster, kube_namesp
         assert kubelet.restarts(ns, pod["metadata"]["name"]) == 0 and replica_sets() == sets
         wait_for_status(kube, ns, "chat", lambda o: o["status"].get("knobs", {}).get("maxNumSeqs") == 9,
                         "status.knobs")
-        assert any(e["reason"] == "KnobsApplied" and pod["metadata"]["name"] in e["message"]
-                   for e in events_for(kube, ns, "chat"))
+        wait_for_event(kube, ns, "chat", lambda e: e["reason"] == "KnobsApplied"
+                       and pod["metadata"]["name"] in e["message"], "KnobsApplied")
 
         # anything else in the pod template rolls the pods; the new pod starts with the knobs in force
         merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"drainTimeoutSeconds": 3}})

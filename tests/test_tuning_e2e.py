@@ -32,7 +32,7 @@ from tests.kube_support import wait_until
 from tests.kubelet_standin import LocalKubelet
 from tests.operator_support import (
     TIMEOUT, admin_kube, apply_llmservice, assert_no_denials, condition, events_for, merge_patch_llmservice,
-    operator_rbac, start_operator, wait_for_status,
+    operator_rbac, start_operator, wait_for_event, wait_for_status,
 )
 from tests.server_support import add_tiny_tokenizer, free_port, metric_value
 from tests.test_tuning_live import Load
@@ -125,7 +125,7 @@ def test_observe_recommends_then_auto_meets_the_slo_live(kube_cluster, kube_name
             assert svc["status"]["ttftP99Ms"] > slo["ttftP99Ms"], svc["status"]  # the queue breaches it
             assert condition(svc, "Tuned")["status"] == "False"
             assert all(knobs_on(p)["max_num_seqs"] == 1 for p in pods()) and configmap_seqs() == 1
-            assert any(e["reason"] == "KnobsRecommended" for e in events_for(kube, ns, NAME))
+            wait_for_event(kube, ns, NAME, lambda e: e["reason"] == "KnobsRecommended", "KnobsRecommended")
 
             # auto: the tuner takes over from there, live
             merge_patch_llmservice(kube_cluster, ns, NAME, {"spec": {"tuning": {"mode": "auto"}}})
