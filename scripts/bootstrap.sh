@@ -19,3 +19,6 @@ if [ "${1:-}" = "--with-kube" ]; then
   bash scripts/install_system_deps.sh
   bash scripts/build_kube.sh
 fi
+# Build the C++ CPU attention kernel now (about a minute the first time, cached in ~/.cache/iterserve),
+# so no server start or test pays for it; without a compiler it warns and the torch path serves.
+.venv/bin/python -c "from iterserve.kernels import cpu_paged_attention as k; k.available()"
