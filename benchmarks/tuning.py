@@ -2,7 +2,7 @@
 
     python benchmarks/tuning.py [--rates 0.2,0.8,0.2] [--phase-s 40] [--grid-seqs 4,8,64]
                                 [--grid-chunks 32,64,256] [--slo-ttft-ms MS --slo-itl-ms MS] [--quick]
-                                [--out benchmarks/results/tuning.json]          # ~23 minutes here
+                                [--repeats R] [--out benchmarks/results/tuning.json]   # ~23 minutes x R here
 
 1. One `iterserve serve` (default model, `--threads 2`) at the default knobs (max_num_seqs 64,
    prefill_chunk_size 256, max_num_batched_tokens 512). SLOs scaled to this CPU: a few requests one
@@ -16,6 +16,8 @@
 3. Tuned, in the middle of the grid (so a drift in the machine's speed favours neither side): the same
    load from the default knobs, with the operator's `Tuner` in auto mode ticking every `--tick-s` on the
    server's /metrics (`PodScraper`), bounds = the grid's range.
+   With `--repeats R` the grid and the tuned run are played R times, interleaved (every other round
+   backwards), and compared on their medians (benchmarks/tuning_report.py).
 4. The table: goodput (requests meeting both SLOs per second of load; benchmarks/tuning_load.py says
    exactly how) and the share of windows within SLO, per configuration; the best static; the tuned run
    with its convergence and knob trajectory; the ratio and PASS/MISS against the targets (1.1x, 99%).
@@ -37,12 +39,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tuning_load import Phase, StepLoad, num_good_before, run_figures, send_load, share_within
+from benchmarks.tuning_load import Phase, StepLoad, run_figures, send_load, share_within
+from benchmarks.tuning_report import (best_static, fold_repeats, json_safe, noise_check, print_table, row_text,  # noqa: F401
+                                      setting, verdict)
 from benchmarks.tuning_runs import DEFAULT_KNOBS, Server, calibrate, convergence_s, run_tuned
 from iterserve.operator.tuning.policy import TuningPolicy
 
-GOODPUT_TARGET = 1.1
-WINDOWS_TARGET = 0.99
 ROOT = Path(__file__).resolve().parents[1]
 # the unloaded median inter-token gap of the default model on this 2-core machine when idle; --rates are
 # the rates for that speed, scaled by REFERENCE_ITL_MS / the measured gap so a busier machine gets less load
@@ -75,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tuner-window-s", type=float, default=12.0, help="the tuner's window (and cooldown)")
     ap.add_argument("--min-samples", type=int, default=3, help="first tokens a tuner window needs")
     ap.add_argument("--drain-s", type=float, default=20.0, help="after the load, requests get this long")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="play the grid and the tuned run this many times, interleaved, and compare medians")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
@@ -85,7 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tuning.json")
     if ap.parse_known_args(argv)[0].quick:  # shorter defaults; flags given explicitly still win
         ap.set_defaults(**QUICK)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats: must be at least 1, got {args.repeats}")
+    return args
 
 
 def make_policy(args, slo: dict[str, float]) -> TuningPolicy:
@@ -155,26 +162,42 @@ def run_all(args) -> dict:
               f"{cal['itl_median_ms']:.0f} ms; SLO p99 TTFT {slo['ttft']:g} ms, p99 ITL {slo['itl']:g} ms; rates x "
               f"{speed:.2f} -> {[p.rate for p in load.phases]} req/s, {args.phase_s:g} s each, {len(load.schedule())} "
               f"requests; server {server.url}, {args.threads} threads", flush=True)
-        # the tuned run goes in the middle of the grid: a machine whose speed drifts favours neither side
         configs = [(s, c) for s in args.grid_seqs for c in args.grid_chunks]
-        half = len(configs) // 2
-        grid = []
-        for seqs, chunk in configs[:half]:
-            grid.append(with_load_average(static_run, server, load, seqs, chunk, args, slo))
-        tuned = with_load_average(tuned_run, server, load, policy, args)
-        for seqs, chunk in configs[half:]:
-            grid.append(with_load_average(static_run, server, load, seqs, chunk, args, slo))
+        rounds = [play_round(server, load, policy, configs, args, slo, i) for i in range(args.repeats)]
     finally:
         server.stop()
+    grid = [fold_repeats([next(g for g in r["grid"] if setting(g) == config) for r in rounds]) for config in configs]
+    tuned = fold_repeats([r["tuned"] for r in rounds])
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "noise_check": noise_check(tuned, grid),
+            "noise_check": noise_check(rounds[0]["tuned"], rounds[0]["grid"]),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads},
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "load": load.describe(), "num_requests": len(load.schedule()), "slo_ms": slo, "calibration": cal,
             "rate_scale": speed,
             "policy": {k: str(v) if not isinstance(v, (int, float, str)) else v for k, v in vars(policy).items()},
-            "tuned": tuned, "grid": grid, "verdict": verdict(tuned, grid),
+            "tuned": tuned, "grid": grid, "verdict": verdict(tuned, grid, rounds),
+            "rounds": [{"order": r["order"]} for r in rounds] if len(rounds) > 1 else None,
             "elapsed_s": round(time.monotonic() - t_start, 1)}
+
+
+def play_round(server: Server, load: StepLoad, policy: TuningPolicy, configs: list[tuple[int, int]], args,
+               slo: dict[str, float], index: int) -> dict:
+    """Every static setting and the tuned run once. The tuned run goes in the middle of the grid, and
+    every other round plays the whole order backwards, so a machine whose speed drifts favours neither
+    side and no setting always runs first or last."""
+    half = len(configs) // 2
+    order = [*configs[:half], "tuned", *configs[half:]]
+    if index % 2:
+        order.reverse()
+    if args.repeats > 1:
+        print(f"round {index + 1} of {args.repeats}", flush=True)
+    grid, tuned = [], None
+    for item in order:
+        if item == "tuned":
+            tuned = with_load_average(tuned_run, server, load, policy, args)
+        else:
+            grid.append(with_load_average(static_run, server, load, *item, args, slo))
+    return {"grid": grid, "tuned": tuned, "order": [i if i == "tuned" else f"{i[0]}/{i[1]}" for i in order]}
 
 
 def with_load_average(run, *args) -> dict:
@@ -182,84 +205,6 @@ def with_load_average(run, *args) -> dict:
     before = os.getloadavg()[0]
     figures = run(*args)
     return {**figures, "load_average": [round(before, 2), round(os.getloadavg()[0], 2)]}
-
-
-def noise_check(tuned: dict, grid: list[dict]) -> dict | None:
-    """Until the tuner's first change the tuned run ran the default knobs, as the static run of the
-    default knobs did all along: their good requests among those that arrived by then differ by noise
-    alone (the machine's speed from one run to the next). None when the grid lacks the default or the
-    tuner moved at once."""
-    until = next((k["t_s"] for k in tuned["trajectory"][1:]), None)
-    default = next((g for g in grid if (g["max_num_seqs"], g["prefill_chunk_size"]) ==
-                    (DEFAULT_KNOBS.max_num_seqs, DEFAULT_KNOBS.prefill_chunk_size)), None)
-    if not until or default is None:
-        return None
-    (tuned_good, n), (static_good, _) = num_good_before(tuned, until), num_good_before(default, until)
-    return {"until_s": until, "num_requests": n, "tuned_good": tuned_good, "static_default_good": static_good}
-
-
-def row_text(f: dict) -> str:
-    w = f["windows_within_slo"]
-    return (f"goodput {f['goodput_rps']:.3f} req/s ({f['num_good']}/{f['num_requests']} good), "
-            f"windows within SLO {'n/a' if w is None else f'{w:.0%}'}, p99 TTFT {f['ttft_p99_ms']} ms, "
-            f"p99 ITL {f['itl_p99_ms']} ms")
-
-
-def best_static(grid: list[dict]) -> dict:
-    """Highest goodput; ties go to the larger share of windows within SLO."""
-    return max(grid, key=lambda g: (g["goodput_rps"], g["windows_within_slo"] or 0.0))
-
-
-def verdict(tuned: dict, grid: list[dict]) -> dict:
-    best = best_static(grid)
-    ratio = tuned["goodput_rps"] / best["goodput_rps"] if best["goodput_rps"] > 0 else math.inf
-    after = tuned["windows_within_slo_after_convergence"]
-    return {"best_static": {"max_num_seqs": best["max_num_seqs"], "prefill_chunk_size": best["prefill_chunk_size"]},
-            "goodput_ratio": ratio, "goodput_pass": ratio >= GOODPUT_TARGET,
-            "windows_after_convergence": after, "windows_pass": after is not None and after >= WINDOWS_TARGET}
-
-
-def print_table(result: dict) -> None:
-    grid, tuned, v = result["grid"], result["tuned"], result["verdict"]
-    best = best_static(grid)
-
-    def pct(x):
-        return "n/a" if x is None else f"{x:.0%}"
-
-    print(f"\n{'configuration (max_num_seqs/chunk)':<36} {'goodput req/s':>13} {'good/sent':>10} "
-          f"{'windows in SLO':>14} {'p99 TTFT ms':>11} {'p99 ITL ms':>10} {'load avg':>10}")
-    rows = [(f"static {g['max_num_seqs']}/{g['prefill_chunk_size']}" + (" (best static)" if g is best else ""), g)
-            for g in grid] + [(f"tuned from {DEFAULT_KNOBS.max_num_seqs}/{DEFAULT_KNOBS.prefill_chunk_size}", tuned)]
-    for name, f in rows:
-        print(f"{name:<36} {f['goodput_rps']:>13.3f} {f['num_good']:>4}/{f['num_requests']:<5} "
-              f"{pct(f['windows_within_slo']):>14} {f['ttft_p99_ms']!s:>11} {f['itl_p99_ms']!s:>10} "
-              f"{'/'.join(f'{x:.1f}' for x in f['load_average']):>10}")
-    conv = tuned["convergence_s"]
-    print("tuned trajectory (max_num_seqs/chunk from t): " + ", ".join(
-        f"{k['max_num_seqs']}/{k['prefill_chunk_size']} from {k['t_s']:.0f} s" for k in tuned["trajectory"]))
-    print(f"\nSLO p99 TTFT {result['slo_ms']['ttft']:g} ms, p99 ITL {result['slo_ms']['itl']:g} ms; windows of "
-          f"{result['args']['window_s']:g} s; tuner converged at {'never' if conv is None else f'{conv:g} s'}")
-    check = result["noise_check"]
-    if check:
-        print(f"noise check: until its first change ({check['until_s']:g} s) the tuned run had the default knobs; of "
-              f"the {check['num_requests']} requests sent by then {check['tuned_good']} were good there, "
-              f"{check['static_default_good']} in the static {DEFAULT_KNOBS.max_num_seqs}/"
-              f"{DEFAULT_KNOBS.prefill_chunk_size} run (the same requests and knobs)")
-    print(f"tuned / best static goodput: {v['goodput_ratio']:.2f}x (target >= {GOODPUT_TARGET}x) "
-          f"{'PASS' if v['goodput_pass'] else 'MISS'}")
-    print(f"windows within SLO after convergence: {pct(v['windows_after_convergence'])} "
-          f"(target >= {WINDOWS_TARGET:.0%}) {'PASS' if v['windows_pass'] else 'MISS'}")
-
-
-def json_safe(x):
-    """JSON has no infinity: a request that never got a first token has an infinite TTFT, written "inf"."""
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
 
 
 def main(argv=None) -> dict:

@@ -9,8 +9,9 @@ import math
 
 import pytest
 
-from benchmarks.tuning import best_static, main, noise_check, verdict
+from benchmarks.tuning import main
 from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
+from benchmarks.tuning_report import best_static, fold_repeats, median_or_none, noise_check, verdict
 from benchmarks.tuning_runs import convergence_s, within_one_step
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.server.bench.client import RequestRecord
@@ -98,6 +99,36 @@ def test_best_static_and_verdict():
     assert not v["goodput_pass"] and not v["windows_pass"]
 
 
+@pytest.mark.parametrize("values, expected", [
+    ([3, 1, 2], 2), ([1, 2, 3, 10], 2.5), ([None, 4, 6], 5), ([None, None, 6], None), ([None, 4], 4), ([], None),
+])
+def test_median_or_none_needs_half_the_values_known(values, expected):
+    assert median_or_none(values) == expected
+
+
+def test_repeats_fold_into_medians_and_the_verdict_pairs_rounds():
+    def run(seqs, good, windows, load=(1.0, 1.0), **extra):
+        return {"max_num_seqs": seqs, "prefill_chunk_size": 64, "num_requests": 40, "num_good": good,
+                "goodput_rps": good / 100, "windows_within_slo": windows, "ttft_p99_ms": 900.0,
+                "itl_p99_ms": 300.0, "load_average": list(load), "requests": [], "windows": [], **extra}
+
+    single = run(8, 30, 0.9)
+    assert fold_repeats([single]) is single
+    runs = [run(8, 30, 0.9, (0.5, 1.5)), run(8, 20, 0.7), run(8, 24, None, (1.0, 2.5))]
+    folded = fold_repeats(runs)
+    assert folded["num_good"] == 24 and folded["goodput_rps"] == 0.24 and folded["windows_within_slo"] == 0.8
+    assert folded["load_average"] == [0.5, 2.5] and folded["repeats"] == runs and "requests" not in folded
+    tuned_runs = [run(16, g, 0.9, windows_within_slo_after_convergence=a, convergence_s=c)
+                  for g, a, c in ((33, 1.0, 40.0), (22, 0.9, None), (27, 0.95, 20.0))]
+    rounds = [{"grid": [s, o], "tuned": t} for s, o, t in zip(runs, [run(64, 10, 0.5)] * 3, tuned_runs)]
+    tuned = fold_repeats(tuned_runs)
+    assert tuned["windows_within_slo_after_convergence"] == 0.95 and tuned["convergence_s"] == 30.0
+    v = verdict(tuned, [folded, fold_repeats([r["grid"][1] for r in rounds])], rounds)
+    assert v["best_static"] == {"max_num_seqs": 8, "prefill_chunk_size": 64}
+    assert v["goodput_ratio"] == pytest.approx(27 / 24) and v["goodput_pass"] and not v["windows_pass"]
+    assert v["goodput_ratio_per_round"] == pytest.approx([1.1, 1.1, 27 / 24])
+
+
 def test_noise_check_compares_the_requests_sent_before_the_first_change():
     def run(goods):
         return {"requests": [{"start_s": float(t), "good": g} for t, g in enumerate(goods)]}
@@ -118,7 +149,7 @@ def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     main(["--quick", "--model", model, "--threads", "1", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
           "--rates", "4,8,4", "--fixed-rates", "--phase-s", "2", "--long-prompt", "40,60", "--short-prompt", "4,8",
           "--output", "4,8", "--grid-seqs", "2,4", "--grid-chunks", "16", "--window-s", "2", "--tick-s", "0.5",
-          "--tuner-window-s", "1", "--drain-s", "10", "--out", str(out)])
+          "--tuner-window-s", "1", "--drain-s", "10", "--repeats", "2", "--out", str(out)])
     result = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert "tuned / best static goodput" in printed and ("PASS" in printed or "MISS" in printed)
@@ -126,15 +157,23 @@ def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     assert 10 < n < 100 and result["slo_ms"]["ttft"] > 0 and result["calibration"]["num_requests"] == 4
     assert result["rate_scale"] == 1.0 and [p["rate"] for p in result["load"]["phases"]] == [4, 8, 4]
     assert [(g["max_num_seqs"], g["prefill_chunk_size"]) for g in result["grid"]] == [(2, 16), (4, 16)]
-    for run in [result["tuned"], *result["grid"]]:
-        assert run["num_requests"] == n and run["num_completed"] == n  # the tiny model keeps up
-        assert len(run["windows"]) == 3
-        assert len(run["requests"]) == n and sum(q["good"] for q in run["requests"]) == run["num_good"]
-    tuned = result["tuned"]
-    # the tuner ran live: its first tick brought the default knobs (64/256) into the grid's bounds
-    assert tuned["trajectory"][0] == {"t_s": 0.0, "max_num_seqs": 64, "prefill_chunk_size": 256, "action": "initial"}
-    assert tuned["trajectory"][1]["action"] == "clamp_to_bounds"
-    assert (tuned["trajectory"][1]["max_num_seqs"], tuned["trajectory"][1]["prefill_chunk_size"]) == (4, 16)
-    assert len(tuned["ticks"]) >= 5 and not tuned["tuner_errors"]
+    # two rounds, the second in the reverse order; every row folds its two runs into medians
+    assert [r["order"] for r in result["rounds"]] == [["2/16", "tuned", "4/16"], ["4/16", "tuned", "2/16"]]
+    assert "tuned / best static good requests, round by round" in printed
+    assert len(result["verdict"]["goodput_ratio_per_round"]) == 2
+    for row in [result["tuned"], *result["grid"]]:
+        assert len(row["repeats"]) == 2 and row["num_requests"] == n
+        assert min(r["num_good"] for r in row["repeats"]) <= row["num_good"] <= max(r["num_good"] for r in row["repeats"])
+        for run in row["repeats"]:
+            assert run["num_completed"] == n  # the tiny model keeps up
+            assert len(run["windows"]) == 3
+            assert len(run["requests"]) == n and sum(q["good"] for q in run["requests"]) == run["num_good"]
+    for tuned in result["tuned"]["repeats"]:
+        # the tuner ran live: its first tick brought the default knobs (64/256) into the grid's bounds
+        assert tuned["trajectory"][0] == {"t_s": 0.0, "max_num_seqs": 64, "prefill_chunk_size": 256,
+                                          "action": "initial"}
+        assert tuned["trajectory"][1]["action"] == "clamp_to_bounds"
+        assert (tuned["trajectory"][1]["max_num_seqs"], tuned["trajectory"][1]["prefill_chunk_size"]) == (4, 16)
+        assert len(tuned["ticks"]) >= 5 and not tuned["tuner_errors"]
     assert result["verdict"]["best_static"] in [{"max_num_seqs": 2, "prefill_chunk_size": 16},
                                                 {"max_num_seqs": 4, "prefill_chunk_size": 16}]
