@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--long-prompt", type=ints, default=[280, 320], help="long prompts' tokens MIN,MAX")
     ap.add_argument("--short-prompt", type=ints, default=[20, 40], help="short prompts' tokens MIN,MAX")
     ap.add_argument("--long-share", type=float, default=0.5, help="share of the requests with a long prompt")
+    ap.add_argument("--long-shares", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                    help="the long-prompt share of each phase, in order (default: --long-share throughout)")
     ap.add_argument("--window-s", type=float, default=10.0, help="window of the within-SLO figure")
     ap.add_argument("--grid-seqs", type=ints, default=[4, 8, 64])
     ap.add_argument("--grid-chunks", type=ints, default=[32, 64, 256])
@@ -90,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if ap.parse_known_args(argv)[0].quick:  # shorter defaults; flags given explicitly still win
         ap.set_defaults(**QUICK)
     args = ap.parse_args(argv)
+    if args.long_shares is not None and len(args.long_shares) != len(args.rates):
+        ap.error(f"--long-shares: give one share per phase ({len(args.rates)} rates), got {len(args.long_shares)}")
     if args.repeats < 1:
         ap.error(f"--repeats: must be at least 1, got {args.repeats}")
     return args
@@ -117,7 +121,8 @@ def after_convergence(figures: dict, start_s: float | None) -> float | None:
 
 
 def make_load(args, speed: float = 1.0) -> StepLoad:
-    return StepLoad(tuple(Phase(round(r * speed, 3), args.phase_s) for r in args.rates),
+    shares = args.long_shares or [None] * len(args.rates)
+    return StepLoad(tuple(Phase(round(r * speed, 3), args.phase_s, share) for r, share in zip(args.rates, shares)),
                     long_prompt=tuple(args.long_prompt), short_prompt=tuple(args.short_prompt),
                     long_share=args.long_share, output=tuple(args.output), seed=args.seed)
 

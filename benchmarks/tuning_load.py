@@ -1,7 +1,8 @@
 """The step load of the tuning benchmark and the figures of one run, measured from the client.
 
 A load is a list of phases, each a Poisson arrival rate held for some seconds (low -> high -> low).
-Requests mix long prompts (chunked prefill matters) and short ones, with outputs of a few dozen tokens
+Requests mix long prompts (chunked prefill matters) and short ones, in a share that each phase may set
+(the traffic's mix shifts, not only its rate), with outputs of a few dozen tokens
 forced by `ignore_eos` + `max_tokens`; arrivals and requests come from one seed, so every run sends the
 same requests at the same offsets. `send_load` plays it against a server through `iterserve bench`'s
 client (one streaming request per arrival, each recorded as a `RequestRecord`).
@@ -37,6 +38,7 @@ from iterserve.server.bench.workload import LengthDist, RequestSpec, WorkloadSpe
 class Phase:
     rate: float  # requests per second (Poisson)
     duration_s: float
+    long_share: float | None = None  # this phase's share of long prompts; None: the load's `long_share`
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,21 @@ class StepLoad:
         return sum(p.duration_s for p in self.phases)
 
     def describe(self) -> dict:
-        return {"phases": [{"rate": p.rate, "duration_s": p.duration_s} for p in self.phases],
+        return {"phases": [{"rate": p.rate, "duration_s": p.duration_s, "long_share": self.share_in(p)}
+                           for p in self.phases],
                 "long_prompt": list(self.long_prompt), "short_prompt": list(self.short_prompt),
                 "long_share": self.long_share, "output": list(self.output), "seed": self.seed}
+
+    def share_in(self, phase: Phase) -> float:
+        return self.long_share if phase.long_share is None else phase.long_share
+
+    def phase_at(self, t: float) -> Phase:
+        end = 0.0
+        for phase in self.phases:
+            end += phase.duration_s
+            if t < end:
+                return phase
+        return self.phases[-1]
 
     def arrivals(self) -> list[float]:
         """Arrival offsets (s): a Poisson process whose rate steps at each phase boundary."""
@@ -82,7 +96,7 @@ class StepLoad:
         pick = random.Random(self.seed + 2)
         out = []
         for i, at in enumerate(self.arrivals()):
-            kind, source = ("long", long) if pick.random() < self.long_share else ("short", short)
+            kind, source = ("long", long) if pick.random() < self.share_in(self.phase_at(at)) else ("short", short)
             out.append((at, replace(next(source), index=i, kind=kind)))
         return out
 

@@ -34,6 +34,14 @@ def test_step_load_is_seeded_and_steps_its_rate():
     assert StepLoad(load.phases, seed=4).arrivals() != load.arrivals()
 
 
+def test_each_phase_may_set_its_own_mix_of_long_prompts():
+    load = StepLoad((Phase(10.0, 100, long_share=0.1), Phase(10.0, 100, long_share=0.9), Phase(10.0, 100)),
+                    long_share=0.5, seed=1)
+    shares = [[s.kind == "long" for t, s in load.schedule() if lo <= t < lo + 100] for lo in (0, 100, 200)]
+    assert [round(sum(k) / len(k), 1) for k in shares] == [0.1, 0.9, 0.5]
+    assert [p["long_share"] for p in load.describe()["phases"]] == [0.1, 0.9, 0.5]
+
+
 @pytest.mark.parametrize("values, expected", [
     ([], None),
     ([1.0, 2.0, 3.0], 2.98),
