@@ -7,11 +7,8 @@ gathers and the SDPA took ~21% of a 50 s CPU benchmark. The kernel walks each re
 in place instead: one pass over its K and V rows, per (request, KV head) with the GQA query heads of
 that KV head together, and an fp32 online softmax; nothing is copied, padded or masked.
 
-It is JIT-built with `torch.utils.cpp_extension.load` (g++ and ninja, `-O3 -march=native`) on first
-use, under ~/.cache/iterserve/torch_extensions/<torch version>/<CPU tag>; torch's file lock serializes
-concurrent builds from several processes, and later processes only load the cached library. When the
-build fails (no compiler, say), `available()` is False, the reason is logged once, and the torch path
-serves. float32 only: other dtypes take the torch path.
+Built on first use by kernels/cpu_extension.py (cached per torch version and CPU; a failed build is
+logged once and leaves the torch path serving). float32 only: other dtypes take the torch path.
 
 ITERSERVE_CPU_ATTENTION=torch forces the torch path, without building anything: the A/B comparison
 against the kernel, and a kill switch. It is read on every call, so it can be flipped in-process.
@@ -19,47 +16,14 @@ against the kernel, and a kill switch. It is read on every call, so it can be fl
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import threading
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
-logger = logging.getLogger("iterserve.kernels")
+from iterserve.kernels.cpu_extension import CppExtension
 
 ENV_VAR = "ITERSERVE_CPU_ATTENTION"
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
 
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_failed = False
-
-
-def _cpu_tag() -> str:
-    """-march=native code can crash on another CPU: a home directory shared by several machines must
-    not hand one machine's build to another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-
-
-def _build() -> ModuleType:
-    from torch.utils.cpp_extension import load
-
-    build_dir = Path.home() / ".cache" / "iterserve" / "torch_extensions" / torch.__version__ / _cpu_tag()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # -fopenmp: at::parallel_for runs on torch's OpenMP pool only when the including code is compiled
-    # with OpenMP (the soname resolves to the libgomp torch already loaded); it also enables `omp simd`.
-    flags = ["-O3", "-march=native", "-fopenmp"]
-    return load(name="iterserve_paged_decode_attention", sources=[str(_SOURCE)], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+_extension = CppExtension("iterserve_paged_decode_attention", "paged_decode_attention.cpp", ENV_VAR,
+                          "C++ CPU paged attention")
 
 
 def available() -> bool:
@@ -67,19 +31,7 @@ def available() -> bool:
 
     The first call builds (or loads the cached build), which takes a while; later calls are cheap.
     """
-    global _module, _failed
-    if os.environ.get(ENV_VAR) == "torch":
-        return False
-    if _module is not None or _failed:
-        return _module is not None
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                _module = _build()
-            except Exception as e:  # any build or load failure leaves the torch path serving
-                _failed = True
-                logger.warning("C++ CPU paged attention unavailable, using the torch path: %s", e)
-    return _module is not None
+    return _extension.available()
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -92,6 +44,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tokens each query attends to, its own included. Returns [n, num_heads, head_dim]. CPU float32;
     call only when `available()`.
     """
-    assert _module is not None, "paged_decode_attention called before available() returned True"
-    return _module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size,
-                                          scale)
+    assert _extension.module is not None, "paged_decode_attention called before available() returned True"
+    return _extension.module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                                    block_size, scale)

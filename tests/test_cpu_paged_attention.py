@@ -141,9 +141,9 @@ def test_failed_build_falls_back_to_torch_and_warns_once(monkeypatch, caplog):
         raise RuntimeError("no compiler here")
 
     monkeypatch.delenv(cpu_paged_attention.ENV_VAR, raising=False)
-    monkeypatch.setattr(cpu_paged_attention, "_module", None)
-    monkeypatch.setattr(cpu_paged_attention, "_failed", False)
-    monkeypatch.setattr(cpu_paged_attention, "_build", no_compiler)
+    monkeypatch.setattr(cpu_paged_attention._extension, "module", None)
+    monkeypatch.setattr(cpu_paged_attention._extension, "failed", False)
+    monkeypatch.setattr(cpu_paged_attention._extension, "_build", no_compiler)
     q, k, v, k_cache, v_cache, meta, tables, ctx = _decode_step([3, 20], 16, 2, 2, 32)
     with caplog.at_level("WARNING", logger="iterserve.kernels"):
         assert not cpu_paged_attention.available()

@@ -67,8 +67,9 @@ def test_regular_install(tmp_path):
     for sub in ("server/engine", "server/model", "server/runner", "server/entrypoints", "server/api", "operator", "kernels"):
         assert list((target / "iterserve" / sub).glob("*.py")), sub
     assert not (target / "operator").exists()
-    # the C++ kernel's source ships too: kernels/cpu_paged_attention.py builds it on first use
-    assert (target / "iterserve" / "kernels" / "csrc" / "paged_decode_attention.cpp").is_file()
+    # the C++ kernels' sources ship too: kernels/cpu_extension.py builds them on first use
+    for source in ("paged_decode_attention.cpp", "cpu_layer_ops.cpp"):
+        assert (target / "iterserve" / "kernels" / "csrc" / source).is_file(), source
     env = {**os.environ, "PYTHONPATH": str(target)}
     r = subprocess.run([sys.executable, "-c", CHECK], cwd=target, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

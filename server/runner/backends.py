@@ -1,9 +1,11 @@
 """Attention backends: which attention function, layer ops and metadata builder the model runner uses.
 
-`torch` is the CPU product (gathers + SDPA, plain torch ops). `triton` runs the Triton kernels of
-kernels/; on CUDA that is the default, on CPU it needs the Triton interpreter (TRITON_INTERPRET=1,
-what the tests use). The Triton modules are imported only when that backend is chosen, so CPU-only
-installs without triton never touch them.
+`torch` is the CPU product: paged attention in torch (the C++ decode kernel on CPU float32) and the
+layer's elementwise ops as C++ kernels (kernels/cpu_layer_ops.py: one call per fused op instead of
+several torch ops, each with a fixed cost), both plain torch elsewhere. `triton` runs the Triton
+kernels of kernels/; on CUDA that is the default, on CPU it needs the Triton interpreter
+(TRITON_INTERPRET=1, what the tests use). The Triton modules are imported only when that backend is
+chosen, so CPU-only installs without triton never touch them.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.kernels.cpu_layer_ops import CpuLayerOps
 from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.config import ATTENTION_BACKENDS
 from iterserve.server.engine.sampling_params import InvalidRequestError
-from iterserve.server.model.llama import TorchLayerOps
 from iterserve.server.runner.step_inputs import build_torch_metadata
 
 
@@ -68,6 +70,6 @@ def _triton_parts():
 def make_backend(name: str, device: torch.device, num_kv_heads: int) -> AttentionBackend:
     name = resolve_backend_name(name, device)
     if name == "torch":
-        return AttentionBackend("torch", paged_attention, TorchLayerOps, build_torch_metadata)
+        return AttentionBackend("torch", paged_attention, CpuLayerOps, build_torch_metadata)
     attention_fn, layer_ops, builder = _triton_parts()
     return AttentionBackend("triton", attention_fn, layer_ops, builder(num_kv_heads, num_sms(device)))

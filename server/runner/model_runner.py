@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from iterserve.kernels import cpu_paged_attention
+from iterserve.kernels import cpu_layer_ops, cpu_paged_attention
 from iterserve.server.engine.scheduler import SchedulerOutput
 from iterserve.server.model.cpu_linear import onednn_packing_supported
 from iterserve.server.model.llama import LlamaForCausalLM
@@ -47,7 +47,9 @@ class ModelRunner:
         if onednn_packing_supported(device, dtype):
             model.pack_wide_linears()
         if self.backend.name == "torch" and device.type == "cpu" and dtype == torch.float32:
-            cpu_paged_attention.available()  # its one-time build happens at start-up, not in a request's step
+            # their one-time builds happen at start-up, not in a request's step
+            cpu_paged_attention.available()
+            cpu_layer_ops.available()
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and self.backend.name == "triton"

@@ -1,0 +1,71 @@
+"""A Llama layer's elementwise ops on the CPU as C++ kernels (csrc/cpu_layer_ops.cpp): `CpuLayerOps`.
+
+Every torch op has a fixed cost, dispatch plus an OpenMP region, of roughly 10-50 us whatever its size;
+in a decode step of a few rows that cost, not the arithmetic, is what the layer's elementwise ops take.
+In torch the residual add + RMSNorm is two ops (twice a layer), SwiGLU two plus a chunk, and the
+rotate-half rotary five plus views (negate, cat, two multiplies, an add). Here each is one call making
+one pass over its rows, as in vLLM's CPU backend (fused_add_rms_norm, silu_and_mul, rotary_embedding);
+rows are split over torch's threads only when there are enough of them to pay for the fork.
+
+Unlike TorchLayerOps, two ops write into their inputs. `rotary` rotates q and k in place inside the
+qkv projection's output, as the Triton one does. `add_rms_norm` writes x + residual into `residual`, as
+vLLM's fused_add_rms_norm does: it is the stream the layers hand on, which nothing else reads, so no
+new tensor is needed. `x`, a fresh matmul output, is only read.
+
+Built on first use by kernels/cpu_extension.py (cached per torch version and CPU; a failed build is
+logged once and leaves TorchLayerOps serving). CPU float32 only: other inputs take TorchLayerOps.
+ITERSERVE_CPU_LAYER_OPS=torch forces TorchLayerOps without building anything: the A/B comparison and a
+kill switch, read on every call so it can be flipped in-process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from iterserve.kernels.cpu_extension import CppExtension
+from iterserve.server.model.llama import RMSNorm, TorchLayerOps
+from iterserve.server.model.rope import RotaryEmbedding
+
+ENV_VAR = "ITERSERVE_CPU_LAYER_OPS"
+
+# no fused multiply-adds: the add and the rotary then round as torch's separate ops do (bit-identical)
+_extension = CppExtension("iterserve_cpu_layer_ops", "cpu_layer_ops.cpp", ENV_VAR, "C++ CPU layer ops",
+                          extra_cflags=("-ffp-contract=off",))
+
+
+def available() -> bool:
+    """Whether the kernels serve: not forced off by ITERSERVE_CPU_LAYER_OPS=torch, and built/loaded.
+
+    The first call builds (or loads the cached build), which takes a while; later calls are cheap.
+    """
+    return _extension.available()
+
+
+def _serves(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_cpu and _extension.available()
+
+
+class CpuLayerOps:
+    """TorchLayerOps' interface, through the C++ kernels for CPU float32 inputs."""
+
+    @staticmethod
+    def add_rms_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        """(norm(x + residual), x + residual), the sum written into `residual`; without a residual,
+        (norm(x), x)."""
+        if not _serves(x) or (residual is not None and residual.dtype != torch.float32):
+            return TorchLayerOps.add_rms_norm(norm, x, residual)
+        return _extension.module.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+    @staticmethod
+    def rotary(rope: RotaryEmbedding, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """Rotate qk ([num_tokens, heads, head_dim], head_dim contiguous) in place; returns it."""
+        if not _serves(qk):
+            return TorchLayerOps.rotary(rope, positions, qk)
+        _extension.module.rotary(qk, positions, rope.cos_cache, rope.sin_cache)
+        return qk
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        if not _serves(gate_up):
+            return TorchLayerOps.silu_mul(gate_up)
+        return _extension.module.silu_and_mul(gate_up)
