@@ -9,7 +9,7 @@ after preemption and a decode differ only in these numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,10 +33,20 @@ class SingleQueryGroup:
     # [n, max_blocks] block table of each request, padded with block 0; K/V are gathered a whole block
     # at a time (one contiguous row per block is several times faster to copy than one per token)
     context_blocks: torch.Tensor
-    # [n, 1, 1, max_blocks * block_size] True inside the request's context
-    context_mask: torch.Tensor
     # [n] tokens each query attends to, its own included: the CPU kernel walks only these, unpadded
     context_lens: torch.Tensor
+    block_size: int
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def context_mask(self) -> torch.Tensor:
+        """[n, 1, 1, max_blocks * block_size] True inside each request's context: only the gather + SDPA
+        path reads it, so it is made on first use (once per step, shared by the layers), not per step."""
+        if self._mask is None:
+            width = self.context_blocks.shape[1] * self.block_size
+            positions = torch.arange(width, device=self.context_lens.device)
+            self._mask = (positions[None, :] < self.context_lens[:, None])[:, None, None, :]
+        return self._mask
 
 
 @dataclass

@@ -3,12 +3,14 @@ torch path's gather + SDPA, and the ITERSERVE_CPU_ATTENTION kill switch."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata, SingleQueryGroup
 from iterserve.kernels.paged_attention_torch import paged_attention
+from iterserve.server.runner.step_inputs import _groups_by_context
 
 
 @pytest.fixture
@@ -93,9 +95,8 @@ def _decode_step(lens: list[int], block_size: int, num_kv_heads: int, group: int
     groups = []
     for rows in (torch.arange(0, len(lens), 2), torch.arange(1, len(lens), 2)):
         width = -(-int(ctx[rows].max()) // block_size)
-        mask = torch.arange(width * block_size)[None, :] < ctx[rows][:, None]
         groups.append(SingleQueryGroup(token_index=rows, context_blocks=tables[rows, :width].contiguous(),
-                                       context_mask=mask[:, None, None, :], context_lens=ctx[rows]))
+                                       context_lens=ctx[rows], block_size=block_size))
     meta = AttentionMetadata(slot_mapping=slots, block_size=block_size, single_groups=groups, multi=[])
     return q, k, v, k_cache, v_cache, meta, tables, ctx
 
@@ -152,3 +153,18 @@ def test_failed_build_falls_back_to_torch_and_warns_once(monkeypatch, caplog):
     assert "no compiler here" in caplog.text
     torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, ctx, 16, 0.2),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_single_query_groups_one_for_the_kernel_and_by_context_for_the_padded_path():
+    rows, ctx = np.arange(40), np.arange(40)[::-1] + 1
+    assert [g.tolist() for g in _groups_by_context(rows, ctx, padded=False)] == [rows.tolist()]
+    groups = _groups_by_context(rows, ctx, padded=True)
+    assert [len(g) for g in groups] == [20, 20] and ctx[groups[0]].max() < ctx[groups[1]].min()
+
+
+def test_context_mask_is_true_exactly_inside_each_context():
+    g = SingleQueryGroup(token_index=torch.arange(3), context_blocks=torch.zeros(3, 2, dtype=torch.long),
+                         context_lens=torch.tensor([1, 17, 32]), block_size=16)
+    mask = g.context_mask
+    assert mask.shape == (3, 1, 1, 32) and g.context_mask is mask  # made once, then shared by the layers
+    assert mask[:, 0, 0].sum(dim=1).tolist() == [1, 17, 32] and not mask[0, 0, 0, 1:].any()

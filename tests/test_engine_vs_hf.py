@@ -60,6 +60,14 @@ def test_sixteen_concurrent_requests(tiny_model):
     assert_matches_hf(tiny_model, run(engine, items), items)
 
 
+def test_torch_attention_path_in_padded_groups(tiny_model, monkeypatch):
+    """The kill switch's path: 40 decodes split into groups of similar context, masked on first use."""
+    monkeypatch.setenv("ITERSERVE_CPU_ATTENTION", "torch")
+    items = workload(40, seed=5, max_out=20)
+    engine = make_engine(tiny_model[0], max_num_seqs=40)
+    assert_matches_hf(tiny_model, run(engine, items), items)
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill(tiny_model, chunk):
     items = workload(8, seed=3, max_prompt=100)

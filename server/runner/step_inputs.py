@@ -13,6 +13,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery, SingleQueryGroup
 from iterserve.server.engine.request import Request
 from iterserve.server.engine.scheduler import SchedulerOutput
@@ -40,15 +41,18 @@ def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
     return padded
 
 
-# Single-query requests are split into at most this many groups of similar context length, and a
-# group is never smaller than _MIN_GROUP: more groups cut padding but add per-layer op overhead.
+# For the gather + SDPA path, single-query requests are split into at most this many groups of
+# similar context length, and a group is never smaller than _MIN_GROUP: more groups cut padding but add
+# per-layer op overhead. The C++ kernel reads no padding, so it gets them all in one group (one call a layer).
 _MAX_GROUPS = 4
 _MIN_GROUP = 16
 
 
-def _groups_by_context(rows: np.ndarray, context_lens: np.ndarray) -> list[np.ndarray]:
+def _groups_by_context(rows: np.ndarray, context_lens: np.ndarray, padded: bool) -> list[np.ndarray]:
     if len(rows) == 0:
         return []
+    if not padded:
+        return [rows]
     rows = rows[np.argsort(context_lens[rows], kind="stable")]
     num_groups = max(1, min(_MAX_GROUPS, len(rows) // _MIN_GROUP))
     return np.array_split(rows, num_groups)
@@ -106,16 +110,16 @@ def build_torch_metadata(layout: StepLayout, device: torch.device) -> AttentionM
     bs, tables, ends, starts, num_new, computed = (
         layout.block_size, layout.tables, layout.ends, layout.starts, layout.num_new, layout.computed)
     single_groups = []
-    for group in _groups_by_context(np.flatnonzero(num_new == 1), ends):
+    padded = not (device.type == "cpu" and cpu_paged_attention.available())
+    for group in _groups_by_context(np.flatnonzero(num_new == 1), ends, padded):
         ctx = ends[group]
         num_blocks = -(-int(ctx.max()) // bs)
         blocks = np.ascontiguousarray(tables[group, :num_blocks])
-        mask = np.arange(num_blocks * bs)[None, :] < ctx[:, None]
         single_groups.append(SingleQueryGroup(
             token_index=torch.from_numpy(starts[group]).to(device),
             context_blocks=torch.from_numpy(blocks).to(device),
-            context_mask=torch.from_numpy(mask).to(device)[:, None, None, :],
             context_lens=torch.from_numpy(ctx).to(device),
+            block_size=bs,
         ))
 
     multi_queries = []
