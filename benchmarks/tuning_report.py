@@ -101,6 +101,10 @@ def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
 
 
+def ms(x: float | None) -> str:
+    return "n/a" if x is None else "inf" if math.isinf(x) else f"{x:.0f}"
+
+
 def spread(f: dict, key: str, fmt) -> str:
     """`median (min-max)` over a folded row's repeats; the plain figure for a single run."""
     runs = f.get("repeats")
@@ -122,8 +126,8 @@ def print_table(result: dict) -> None:
             for g in grid] + [(f"tuned from {DEFAULT_KNOBS.max_num_seqs}/{DEFAULT_KNOBS.prefill_chunk_size}", tuned)]
     for name, f in rows:
         good = spread(f, "num_good", lambda x: f"{x:g}") + f"/{f['num_requests']}"
-        print(f"{name:<36} {good:>16} {spread(f, 'windows_within_slo', pct):>16} {f['ttft_p99_ms']!s:>11} "
-              f"{f['itl_p99_ms']!s:>10} {'/'.join(f'{x:.1f}' for x in f['load_average']):>10}")
+        print(f"{name:<36} {good:>16} {spread(f, 'windows_within_slo', pct):>16} {ms(f['ttft_p99_ms']):>11} "
+              f"{ms(f['itl_p99_ms']):>10} {'/'.join(f'{x:.1f}' for x in f['load_average']):>10}")
     for i, run in enumerate(tuned.get("repeats") or [tuned]):
         print(f"tuned trajectory{f' (run {i + 1})' if repeats > 1 else ''} (max_num_seqs/chunk from t): " + ", ".join(
             f"{k['max_num_seqs']}/{k['prefill_chunk_size']} from {k['t_s']:.0f} s" for k in run["trajectory"]))
