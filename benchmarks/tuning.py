@@ -40,8 +40,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tuning_load import Phase, StepLoad, run_figures, send_load, share_within
-from benchmarks.tuning_report import (best_static, fold_repeats, json_safe, noise_check, print_table, row_text,  # noqa: F401
-                                      setting, verdict)
+from benchmarks.tuning_report import fold_repeats, json_safe, noise_check, print_table, row_text, setting, verdict
 from benchmarks.tuning_runs import DEFAULT_KNOBS, Server, calibrate, convergence_s, run_tuned
 from iterserve.operator.tuning.policy import TuningPolicy
 

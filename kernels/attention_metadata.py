@@ -20,8 +20,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
 
-    # Single-query requests (decodes, and prefill chunks of one token), attended as a few padded
-    # batches of similar context length, so little of the gathered K/V is padding.
+    # Single-query requests (decodes, and prefill chunks of one token): one group for the C++ kernel,
+    # which reads no padding; for the gather + SDPA path a few padded batches of similar context
+    # length, so little of the gathered K/V is padding.
     single_groups: list[SingleQueryGroup]
     # Multi-query requests (prefill chunks), attended one by one.
     multi: list[MultiQuery]
@@ -40,8 +41,9 @@ class SingleQueryGroup:
 
     @property
     def context_mask(self) -> torch.Tensor:
-        """[n, 1, 1, max_blocks * block_size] True inside each request's context: only the gather + SDPA
-        path reads it, so it is made on first use (once per step, shared by the layers), not per step."""
+        """[n, 1, 1, max_blocks * block_size] True inside each request's context. Only the gather + SDPA
+        path reads it: it is made on its first use in a step and shared by the layers, and never made
+        when the C++ kernel serves."""
         if self._mask is None:
             width = self.context_blocks.shape[1] * self.block_size
             positions = torch.arange(width, device=self.context_lens.device)

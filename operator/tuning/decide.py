@@ -19,10 +19,11 @@ Rules, in order (docs/tuning.md explains each and why):
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
 setting it left is not approached again before `retry_after_s`), and a move that undoes the previous one
 marks the setting it leaves as failed, so two moves that each help one p99 cannot take turns forever.
-`Tuned` is True while the SLO is met, False with `SLOBreached` while correcting, `BoundsReached` when the
-correction needed lies outside the bounds, `NoBetterSetting` when every correction left was tried and made
-things worse (that verdict stands through later probes until the SLO is met). In `observe` mode the
-decision is only a recommendation: the state keeps its knobs.
+`Tuned` is True while the SLO is met (a mild breach not yet confirmed leaves it True), False with
+`SLOBreached` while correcting, `BoundsReached` when the correction needed lies outside the bounds,
+`NoBetterSetting` when every correction left was tried and made things worse (that verdict stands
+through later probes until the SLO is met). In `observe` mode the decision is only a recommendation:
+the state keeps its knobs.
 """
 
 from __future__ import annotations
@@ -188,8 +189,11 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
         itl_bad = r.itl > 1 and (s.num_itl_breaches >= policy.confirm_breaches or r.itl >= policy.severe_ratio)
         if not (ttft_bad or itl_bad):
             n = max(s.num_ttft_breaches, s.num_itl_breaches)
+            # the verdict has the action's hysteresis: a met SLO stays met until the breach is confirmed,
+            # so one noisy window does not flip the condition (nor a quiet spell after it freeze it False)
+            tuned = state.tuned if state.tuned.status == "True" else _breached(r, state.tuned)
             return _stay(s, now, f"SLO breached in {n} window(s) in a row, {policy.confirm_breaches} needed to "
-                                 f"act; {r.text}", False, _breached(r, state.tuned))
+                                 f"act; {r.text}", False, tuned)
         moves = _corrections(state.knobs, obs, r, policy, ttft_bad, itl_bad)
         return _correct(s, policy, now, r, moves, "SLO breached")
 
