@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="requests/s of each phase, in order, on an idle machine (see --fixed-rates)")
     ap.add_argument("--phase-s", type=float, default=40.0, help="seconds each phase lasts")
     ap.add_argument("--output", type=ints, default=[16, 48], help="output tokens MIN,MAX (uniform, ignore_eos)")
+    ap.add_argument("--long-output", type=ints, default=None,
+                    help="long prompts' output tokens MIN,MAX (default: --output)")
     ap.add_argument("--long-prompt", type=ints, default=[280, 320], help="long prompts' tokens MIN,MAX")
     ap.add_argument("--short-prompt", type=ints, default=[20, 40], help="short prompts' tokens MIN,MAX")
     ap.add_argument("--long-share", type=float, default=0.5, help="share of the requests with a long prompt")
@@ -123,7 +125,8 @@ def make_load(args, speed: float = 1.0) -> StepLoad:
     shares = args.long_shares or [None] * len(args.rates)
     return StepLoad(tuple(Phase(round(r * speed, 3), args.phase_s, share) for r, share in zip(args.rates, shares)),
                     long_prompt=tuple(args.long_prompt), short_prompt=tuple(args.short_prompt),
-                    long_share=args.long_share, output=tuple(args.output), seed=args.seed)
+                    long_share=args.long_share, output=tuple(args.output),
+                    long_output=tuple(args.long_output) if args.long_output else None, seed=args.seed)
 
 
 def tuned_run(server: Server, load: StepLoad, policy: TuningPolicy, args) -> dict:

@@ -3,7 +3,8 @@
 A load is a list of phases, each a Poisson arrival rate held for some seconds (low -> high -> low).
 Requests mix long prompts (chunked prefill matters) and short ones, in a share that each phase may set
 (the traffic's mix shifts, not only its rate), with outputs of a few dozen tokens
-forced by `ignore_eos` + `max_tokens`; arrivals and requests come from one seed, so every run sends the
+forced by `ignore_eos` + `max_tokens` (long prompts may have outputs of their own: a document and a short
+answer); arrivals and requests come from one seed, so every run sends the
 same requests at the same offsets. `send_load` plays it against a server through `iterserve bench`'s
 client (one streaming request per arrival, each recorded as a `RequestRecord`).
 
@@ -48,6 +49,7 @@ class StepLoad:
     short_prompt: tuple[int, int] = (20, 40)
     long_share: float = 0.5
     output: tuple[int, int] = (32, 96)
+    long_output: tuple[int, int] | None = None  # long prompts' outputs (a document and a short answer); None: `output`
     seed: int = 0
 
     @property
@@ -58,7 +60,8 @@ class StepLoad:
         return {"phases": [{"rate": p.rate, "duration_s": p.duration_s, "long_share": self.share_in(p)}
                            for p in self.phases],
                 "long_prompt": list(self.long_prompt), "short_prompt": list(self.short_prompt),
-                "long_share": self.long_share, "output": list(self.output), "seed": self.seed}
+                "long_share": self.long_share, "output": list(self.output),
+                "long_output": list(self.long_output or self.output), "seed": self.seed}
 
     def share_in(self, phase: Phase) -> float:
         return self.long_share if phase.long_share is None else phase.long_share
@@ -87,12 +90,13 @@ class StepLoad:
 
     def schedule(self) -> list[tuple[float, RequestSpec]]:
         """(arrival offset, request) for the whole load."""
-        def requests(prompt: tuple[int, int], seed: int):
+        def requests(prompt: tuple[int, int], output: tuple[int, int], seed: int):
             spec = WorkloadSpec("random", input_len=LengthDist("uniform", *prompt),
-                                output_len=LengthDist("uniform", *self.output), seed=seed)
+                                output_len=LengthDist("uniform", *output), seed=seed)
             return generate_requests(spec, None)
 
-        long, short = requests(self.long_prompt, self.seed * 2 + 100), requests(self.short_prompt, self.seed * 2 + 101)
+        long = requests(self.long_prompt, self.long_output or self.output, self.seed * 2 + 100)
+        short = requests(self.short_prompt, self.output, self.seed * 2 + 101)
         pick = random.Random(self.seed + 2)
         out = []
         for i, at in enumerate(self.arrivals()):

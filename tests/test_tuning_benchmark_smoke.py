@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -40,6 +41,17 @@ def test_each_phase_may_set_its_own_mix_of_long_prompts():
     shares = [[s.kind == "long" for t, s in load.schedule() if lo <= t < lo + 100] for lo in (0, 100, 200)]
     assert [round(sum(k) / len(k), 1) for k in shares] == [0.1, 0.9, 0.5]
     assert [p["long_share"] for p in load.describe()["phases"]] == [0.1, 0.9, 0.5]
+
+
+def test_long_prompts_may_have_outputs_of_their_own():
+    # documents with a one-token answer beside chats with long ones; the chats' requests stay as they were
+    load = StepLoad((Phase(10.0, 100),), long_share=0.5, output=(64, 128), seed=1)
+    docs = replace(load, long_output=(1, 1))
+    for kind, want in (("long", {1}), ("short", {s.max_tokens for _, s in load.schedule() if s.kind == "short"})):
+        assert {s.max_tokens for _, s in docs.schedule() if s.kind == kind} == want
+    plain = {s.max_tokens for _, s in load.schedule() if s.kind == "long"}  # without: the load's outputs
+    assert len(plain) > 1 and all(64 <= n <= 128 for n in plain)
+    assert docs.describe()["long_output"] == [1, 1] and load.describe()["long_output"] == [64, 128]
 
 
 @pytest.mark.parametrize("values, expected", [

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from iterserve.operator.tuning.decide import (
-    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK, TunerState, decide,
+    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK, TunerState, decide, same_mix,
 )
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import Observation
@@ -220,6 +220,38 @@ def test_undoing_the_last_move_marks_it_failed_so_two_cures_do_not_take_turns():
     assert actions(d) == [HOLD, RAISE_CHUNK, HOLD, HOLD, LOWER_CHUNK, HOLD, HOLD, HOLD]
     assert [x.state.knobs.prefill_chunk_size for x in d] == [128, 256, 256, 256, 128, 128, 128, 128]
     assert d[-1].tuned.reason == "NoBetterSetting"
+
+
+@pytest.mark.parametrize("prompt_token_rate, last_action, last_chunk", [
+    (140, HOLD, 128),  # 28 prompt tokens a request against 20: the same chats, the failure stands
+    (2000, RAISE_CHUNK, 256),  # 400 a request: long documents, where the larger chunk may be the cure
+])
+def test_a_failure_blocks_only_under_a_like_load(prompt_token_rate, last_action, last_chunk):
+    # the turns of the test above; the last TTFT breach comes with a load of `prompt_token_rate` / 5 prompt
+    # tokens per request, against 20 when the larger chunk was undone for ITL
+    later = dataclasses.replace(TTFT_OVER_NO_QUEUE, prompt_token_rate=prompt_token_rate)
+    d = run([TTFT_OVER_NO_QUEUE] * 2 + [GOOD_IDLE] + [ITL_OVER] * 2 + [GOOD_IDLE] + [later] * 2)
+    assert actions(d) == [HOLD, RAISE_CHUNK, HOLD, HOLD, LOWER_CHUNK, HOLD, HOLD, last_action]
+    assert d[-1].state.knobs.prefill_chunk_size == last_chunk
+
+
+def test_failures_under_two_loads_are_kept_side_by_side():
+    # chats undo the larger chunk (256 fails for them, and so does anything larger); documents then undo
+    # the smaller one (128 fails for them); back to chats, 512 is still blocked: the documents' failure
+    # was kept beside the chats' one, not in its place
+    docs = dataclasses.replace(TTFT_OVER_NO_QUEUE, prompt_token_rate=2000)
+    d = run([TTFT_OVER_NO_QUEUE] * 2 + [GOOD_IDLE] + [ITL_OVER] * 2 + [GOOD_IDLE] + [docs] * 2 + [GOOD_IDLE]
+            + [TTFT_OVER_NO_QUEUE] * 2)
+    assert actions(d) == [HOLD, RAISE_CHUNK, HOLD, HOLD, LOWER_CHUNK, HOLD, HOLD, RAISE_CHUNK, HOLD, HOLD, HOLD]
+    assert {(f.knobs.prefill_chunk_size, f.mix) for f in d[-1].state.failed} == {(256, 20), (128, 400)}
+    assert d[-1].tuned.reason == "NoBetterSetting"
+
+
+@pytest.mark.parametrize("a, b, alike", [
+    (20, 29, True), (20, 31, False), (31, 20, False), (None, 400, True), (0.2, 1.4, True), (0.0, 2.0, False),
+])
+def test_same_mix(a, b, alike):
+    assert same_mix(a, b, 1.5) is alike  # within 1.5x, below one token a request counting as one
 
 
 def test_cooldown_holds_between_changes():

@@ -22,7 +22,9 @@ marks the setting it leaves as failed, so two moves that each help one p99 canno
 `Tuned` is True while the SLO is met (a mild breach not yet confirmed leaves it True), False with
 `SLOBreached` while correcting, `BoundsReached` when the correction needed lies outside the bounds,
 `NoBetterSetting` when every correction left was tried and made things worse (that verdict stands
-through later probes until the SLO is met). In `observe` mode the decision is only a recommendation:
+through later probes until the SLO is met). What failed is remembered with the load's mix (prompt tokens
+per request) and blocks only under a like load: a move that failed for short chats may be the cure when
+long documents come. In `observe` mode the decision is only a recommendation:
 the state keeps its knobs.
 """
 
@@ -62,13 +64,15 @@ NOT_OBSERVED = Condition("Unknown", "NotObserved", "no window with enough sample
 class FailedSetting:
     """A setting that made things worse; until `until` it blocks itself and, when `knob` is set, every
     setting further along that knob in `direction` (+1: that many or more, -1: that few or fewer) with the
-    other knobs equal, so a raise that breached once is not approached again step by step."""
+    other knobs equal, so a raise that breached once is not approached again step by step. It blocks only
+    under a load like the one it failed under (`mix`: prompt tokens per request then, None: unknown)."""
 
     knobs: Knobs
     until: float
     num_failures: int
     knob: str | None = None
     direction: int = 0
+    mix: float | None = None
 
     def covers(self, target: Knobs) -> bool:
         if target == self.knobs:
@@ -77,13 +81,21 @@ class FailedSetting:
             return False
         return self.direction * (getattr(target, self.knob) - getattr(self.knobs, self.knob)) >= 0
 
-    def blocks(self, target: Knobs, now: float) -> bool:
-        return now < self.until and self.covers(target)
+    def blocks(self, target: Knobs, now: float, mix: float | None, mix_factor: float) -> bool:
+        return now < self.until and self.covers(target) and same_mix(self.mix, mix, mix_factor)
 
     def on_line_with(self, other: "FailedSetting") -> bool:
         """Both failed the same way along the same knob, the other knobs equal."""
         return (self.knob is not None and self.knob == other.knob and self.direction == other.direction
                 and (self.covers(other.knobs) or other.covers(self.knobs)))
+
+
+def same_mix(a: float | None, b: float | None, factor: float) -> bool:
+    """Two loads alike: prompt tokens per request within `factor` of each other (alike when unknown)."""
+    if a is None or b is None:
+        return True
+    low, high = sorted((a, b))
+    return high <= factor * max(low, 1.0)
 
 
 @dataclass(frozen=True)
@@ -113,8 +125,10 @@ class TunerState:
     num_itl_breaches: int = 0
     tuned: Condition = NOT_OBSERVED
 
-    def blocked_until(self, knobs: Knobs, now: float) -> float | None:
-        return max((f.until for f in self.failed if f.blocks(knobs, now)), default=None)
+    def blocked_until(self, knobs: Knobs, now: float, mix: float | None = None,
+                      mix_factor: float = math.inf) -> float | None:
+        """When `knobs` may be tried again under a load of `mix` (None: now)."""
+        return max((f.until for f in self.failed if f.blocks(knobs, now, mix, mix_factor)), default=None)
 
 
 @dataclass(frozen=True)
@@ -139,6 +153,7 @@ class _Reading:
     trouble: str | None  # preemptions or failed steps, described
     text: str  # the figures, for reasons
     obs_request_rate: float
+    mix: float | None  # prompt tokens per finished request: what a failure is remembered with
 
     @property
     def met(self) -> bool:
@@ -174,7 +189,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
         if worse is not None:
             # the setting went back to is cleared (a back-off marked it as a ceiling: the back-off was wrong)
             failed = tuple(f for f in s.failed if f.knobs != p.before)
-            s = dataclasses.replace(s, failed=_mark_failed(failed, state.knobs, now, policy, p.action))
+            s = dataclasses.replace(s, failed=_mark_failed(failed, state.knobs, now, policy, p.action, r.mix))
             where = "the last good setting" if p.before_healthy else "the setting before it"
             return _move(s, policy, now, ROLLBACK, p.before,
                          f"the change to {state.knobs.describe()} made things worse ({worse}); back to {where}",
@@ -210,7 +225,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
                f"does not hold requests back, so a larger one would not help")
     elif target == state.knobs:
         why = "SLO met with headroom; max_num_seqs at its upper bound"
-    elif (until := s.blocked_until(target, now)) is not None:
+    elif (until := s.blocked_until(target, now, r.mix, policy.mix_factor)) is not None:
         why = f"SLO met with headroom; {target.describe()} made things worse, not retried for {until - now:.0f} s"
     else:
         return _move(s, policy, now, RAISE_SEQS, target,
@@ -230,7 +245,7 @@ def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
     text = (f"p99 TTFT {_ms(obs.ttft_p99_s)} (SLO {policy.ttft_p99_ms:g} ms), p99 ITL {_ms(obs.itl_p99_s)} "
             f"(SLO {policy.itl_p99_ms:g} ms), KV {obs.kv_usage:.0%}, {obs.queued:.1f} waiting, "
             f"{obs.num_samples} samples")
-    return _Reading(ttft, itl, max(ttft, itl), trouble, text, obs.request_rate)
+    return _Reading(ttft, itl, max(ttft, itl), trouble, text, obs.request_rate, obs.prompt_tokens_per_request)
 
 
 def _ms(seconds: float | None) -> str:
@@ -319,10 +334,10 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves
     for action, target in moves:
         if target == s.knobs:
             continue
-        until = s.blocked_until(target, now)
+        until = s.blocked_until(target, now, r.mix, policy.mix_factor)
         if until is None:
             if policy.mode == "auto":  # a recommendation moves nothing, so there is nothing to remember
-                s = dataclasses.replace(s, failed=_remember_move(s, action, target, now, policy))
+                s = dataclasses.replace(s, failed=_remember_move(s, action, target, now, policy, r.mix))
             return _move(s, policy, now, action, target, f"{why}: {r.text}", r, _breached(r, s.tuned),
                          aim=AIMS[action] if aimed else None)
         blocked.append(f"{action} to {target.describe()} made things worse (retry in {until - now:.0f} s)")
@@ -335,15 +350,15 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves
     return _stay(s, now, f"{why} and no move left: {tuned.message}", r.met, tuned)
 
 
-def _remember_move(s: TunerState, action: str, target: Knobs, now: float,
-                   policy: TuningPolicy) -> tuple[FailedSetting, ...]:
+def _remember_move(s: TunerState, action: str, target: Knobs, now: float, policy: TuningPolicy,
+                   mix: float | None) -> tuple[FailedSetting, ...]:
     """What a move teaches before it is judged. The setting a back-off leaves is a ceiling for the raises
     that follow. A move back to the setting before the last move says that move did not pay: without this,
     two moves that each help one p99 (a larger chunk for TTFT, a smaller one for ITL) would take turns."""
     if action == BACK_OFF_SEQS:
-        return _mark_failed(s.failed, s.knobs, now, policy, RAISE_SEQS)
+        return _mark_failed(s.failed, s.knobs, now, policy, RAISE_SEQS, mix)
     if target == s.previous_knobs and s.previous_action is not None:
-        return _mark_failed(s.failed, s.knobs, now, policy, s.previous_action)
+        return _mark_failed(s.failed, s.knobs, now, policy, s.previous_action, mix)
     return s.failed
 
 
@@ -362,15 +377,18 @@ DIRECTIONS = {RAISE_SEQS: ("max_num_seqs", 1), BACK_OFF_SEQS: ("max_num_seqs", -
 
 
 def _mark_failed(failed: tuple[FailedSetting, ...], knobs: Knobs, now: float, policy: TuningPolicy,
-                 action: str) -> tuple[FailedSetting, ...]:
-    """Add `knobs` as failed by `action`. Failures along the same knob and direction (the other knobs
-    equal) compound: each waits twice as long as the last, and the new one replaces those it covers."""
+                 action: str, mix: float | None) -> tuple[FailedSetting, ...]:
+    """Add `knobs` as failed by `action` under a load of `mix`. Failures along the same knob and direction
+    (the other knobs equal) under a like load compound: each waits twice as long as the last, and the new
+    one replaces those it covers. A failure under another load is kept beside it: each load has its own."""
     knob, direction = DIRECTIONS.get(action, (None, 0))
-    entry = FailedSetting(knobs, 0.0, 0, knob, direction)
-    related = [f for f in failed if f.knobs == knobs or entry.on_line_with(f)]
+    entry = FailedSetting(knobs, 0.0, 0, knob, direction, mix)
+    alike = [f for f in failed if same_mix(f.mix, mix, policy.mix_factor)]
+    related = [f for f in alike if f.knobs == knobs or entry.on_line_with(f)]
     n = max((f.num_failures for f in related), default=0) + 1
     entry = dataclasses.replace(entry, until=now + policy.retry_after_s * 2 ** (n - 1), num_failures=n)
-    return tuple(f for f in failed if not (f.knobs == knobs or entry.covers(f.knobs))) + (entry,)
+    replaced = [f for f in alike if f.knobs == knobs or entry.covers(f.knobs)]
+    return tuple(f for f in failed if f not in replaced) + (entry,)
 
 
 def _stay(state: TunerState, now: float, reason: str, met: bool | None, tuned: Condition) -> Decision:

@@ -59,6 +59,12 @@ class Observation:
         return self.end - self.start
 
     @property
+    def prompt_tokens_per_request(self) -> float | None:
+        """Prefill tokens computed per finished request: the load's mix (long documents or short chats),
+        which decides what a knob does; None when no request finished."""
+        return self.prompt_token_rate / self.request_rate if self.request_rate > 0 else None
+
+    @property
     def queued(self) -> float:
         """Mean requests waiting: the gauge's average, or by Little's law (arrival rate x mean queue time)
         when that says more; the law holds between scrapes, where a gauge read twice can miss a queue."""

@@ -78,6 +78,10 @@ class TuningPolicy:
     severe_ratio: float = 1.5  # a p99 this far over its SLO is acted on at once
     worse_tolerance: float = 0.1  # a correction is "worse" if the p99/SLO ratio it aimed at grows by more
     retry_after_s: float = 600.0  # a setting that made things worse waits this long (doubling) to be retried
+    # ... but only while the load is alike: a failed setting blocks itself while the prompt tokens per
+    # request stay within this factor of what they were when it failed (a phase of long documents may need
+    # the large chunk a phase of short chats rejected)
+    mix_factor: float = 1.5
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -85,7 +89,8 @@ class TuningPolicy:
         set_("prefill_chunk_size_bounds", _bounds("prefill_chunk_size_bounds", self.prefill_chunk_size_bounds))
         if self.mode not in MODES:
             raise InvalidPolicyError("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
-        for name in ("ttft_p99_ms", "itl_p99_ms", "interval_s", "window_s", "severe_ratio", "chunk_factor"):
+        for name in ("ttft_p99_ms", "itl_p99_ms", "interval_s", "window_s", "severe_ratio", "chunk_factor",
+                     "mix_factor"):
             _positive(name, getattr(self, name))
         for name in ("max_preemption_rate", "max_error_rate", "min_waiting", "worse_tolerance", "retry_after_s"):
             _non_negative(name, getattr(self, name))
@@ -100,10 +105,9 @@ class TuningPolicy:
             _number(name, value)
             if not 0 < value < 1:
                 raise InvalidPolicyError(name, f"must be strictly between 0 and 1, got {value!r}")
-        if self.chunk_factor <= 1:
-            raise InvalidPolicyError("chunk_factor", f"must be above 1, got {self.chunk_factor!r}")
-        if self.severe_ratio <= 1:
-            raise InvalidPolicyError("severe_ratio", f"must be above 1, got {self.severe_ratio!r}")
+        for name in ("chunk_factor", "severe_ratio", "mix_factor"):
+            if getattr(self, name) <= 1:
+                raise InvalidPolicyError(name, f"must be above 1, got {getattr(self, name)!r}")
 
     @property
     def cooldown(self) -> float:
