@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 
 from iterserve.operator.tuning.decide import (
-    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK, TunerState, decide, same_mix,
+    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK, TunerState, decide,
 )
+from iterserve.operator.tuning.failures import same_mix
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import InvalidPolicyError, TuningPolicy
