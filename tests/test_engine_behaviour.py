@@ -53,6 +53,18 @@ def test_top_k_one_is_greedy_and_logprobs_are_reported(tiny_llama):
     assert outs[top1][-1].logprobs is None
 
 
+@pytest.mark.parametrize("top_p", [1e-9, 2.2e-309])  # the second is subnormal: float32 rounds it to 0
+def test_a_tiny_top_p_keeps_the_most_likely_token(tiny_llama, top_p):
+    # schemathesis found a 500 here: a top_p that float32 rounds to 0 dropped every token
+    engine = make_engine(tiny_llama[0])
+    greedy = engine.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True))
+    nucleus = engine.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(
+        max_tokens=8, temperature=1.0, top_p=top_p, seed=3, ignore_eos=True))
+    outs = drain(engine)
+    assert outs[nucleus][-1].token_ids == outs[greedy][-1].token_ids
+
+
 def test_top_logprobs_are_the_most_likely_tokens(tiny_llama):
     engine = make_engine(tiny_llama[0])
     rid = engine.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(

@@ -60,8 +60,10 @@ def _sample_row(row: torch.Tensor, req: Request) -> int:
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(row, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens ranked before it already cover top_p; the first always stays
+        # drop a token when the tokens ranked before it already cover top_p; the first always stays, even for
+        # a top_p that float32 rounds to 0 (a subnormal like 2e-309 passes the (0, 1] check)
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
+        drop_sorted[0] = False
         row = row.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
     probs = row.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=_generator(req)).item())
