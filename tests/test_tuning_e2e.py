@@ -129,19 +129,26 @@ def test_observe_recommends_then_auto_meets_the_slo_live(kube_cluster, kube_name
 
             # auto: the tuner takes over from there, live
             merge_patch_llmservice(kube_cluster, ns, NAME, {"spec": {"tuning": {"mode": "auto"}}})
-            last_decision(lambda d, o: condition(o, "Tuned").get("status") == "True" and d.get("action") == "hold"
-                          and "cooling down" not in d.get("reason", "") and o["status"]["knobs"]["maxNumSeqs"] > 1,
-                          "Tuned=True, settled")
-        # no load: once a window has too few samples, nothing moves any more and the verdict stands
+            settled = last_decision(lambda d, o: condition(o, "Tuned").get("status") == "True"
+                                    and d.get("action") == "hold" and "cooling down" not in d.get("reason", "")
+                                    and o["status"]["knobs"]["maxNumSeqs"] > 1, "Tuned=True, settled")
+            # what a user sees under the load once the tuner has settled
+            row = table_row(kube_cluster.kubectl("get", "llmsvc", NAME, "-n", ns).stdout)
+            assert row["TUNED"] == "True" and row["TUNING"] == "auto", row
+            assert (condition(settled, "Tuned")["reason"], condition(settled, "Degraded")["status"]) == \
+                ("SLOMet", "False")
+        # no load: once a window has too few samples, nothing moves any more. (The verdict is the last judged
+        # window's: the load's ending can leave one last breach, so it is not asserted True here.)
         svc = last_decision(lambda d, o: "too few samples" in d.get("reason", ""), "a quiet window")
 
         status = svc["status"]
         knobs = status["knobs"]
+        tuned = condition(svc, "Tuned")["status"]
         row = table_row(kube_cluster.kubectl("get", "llmsvc", NAME, "-n", ns).stdout)
-        assert row["TUNED"] == "True" and row["TUNING"] == "auto", row
+        assert row["TUNED"] == tuned and row["TUNING"] == "auto", row
         assert int(row["MAX-SEQS"]) == knobs["maxNumSeqs"] and int(row["CHUNK"]) == knobs["prefillChunkSize"]
         assert 1 < knobs["maxNumSeqs"] <= 16 and 32 <= knobs["prefillChunkSize"] <= 256, knobs
-        assert (condition(svc, "Tuned")["reason"], condition(svc, "Degraded")["status"]) == ("SLOMet", "False")
+        assert condition(svc, "Degraded")["status"] == "False"
         expected = {"max_num_seqs": knobs["maxNumSeqs"], "max_num_batched_tokens": knobs["maxNumBatchedTokens"],
                     "prefill_chunk_size": knobs["prefillChunkSize"]}
         assert [knobs_on(p) for p in pods()] == [expected, expected]  # live on every pod
@@ -167,7 +174,7 @@ def test_observe_recommends_then_auto_meets_the_slo_live(kube_cluster, kube_name
         assert metric_value(text, "iterserve_operator_knob_changes_total", **labels) == len(changes)
         assert metric_value(text, "iterserve_operator_tuning_decisions_total", action="raise_max_num_seqs",
                             **labels) >= len(changes) + 1  # the recommendation counts as a decision too
-        assert metric_value(text, "iterserve_operator_tuned", **labels) == 1
+        assert metric_value(text, "iterserve_operator_tuned", **labels) == {"True": 1, "False": 0}[tuned]
 
         # tuning off: the tuner stops, spec.engine's knobs come back live, the measurements go
         merge_patch_llmservice(kube_cluster, ns, NAME, {"spec": {"tuning": {"mode": "off"}}})
