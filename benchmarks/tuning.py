@@ -107,10 +107,16 @@ def make_policy(args, slo: dict[str, float]) -> TuningPolicy:
                         interval_s=args.tick_s, window_s=args.tuner_window_s, min_samples=args.min_samples)
 
 
+def round_ms(ms: float) -> float:
+    """A calibrated SLO, rounded to tens of ms, or to 0.1 ms for a model so fast (a tiny one in the smoke
+    test) that tens would round it to 0."""
+    return round(ms, -1) if ms >= 100 else max(0.1, round(ms, 1))
+
+
 def scale_to_cpu(args, cal: dict) -> tuple[dict[str, float], float]:
     """The SLOs (given, or factors of the unloaded figures) and the factor the rates are multiplied by."""
-    slo = {"ttft": args.slo_ttft_ms or round(args.ttft_factor * cal["long_ttft_ms"], -1),
-           "itl": args.slo_itl_ms or round(args.itl_factor * cal["itl_median_ms"], -1)}
+    slo = {"ttft": args.slo_ttft_ms or round_ms(args.ttft_factor * cal["long_ttft_ms"]),
+           "itl": args.slo_itl_ms or round_ms(args.itl_factor * cal["itl_median_ms"])}
     speed = 1.0 if args.fixed_rates else REFERENCE_ITL_MS / cal["itl_median_ms"]
     return slo, speed
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.tuning import main
+from benchmarks.tuning import main, round_ms
 from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
 from benchmarks.tuning_report import best_static, fold_repeats, median_or_none, noise_check, verdict
 from benchmarks.tuning_runs import convergence_s, within_one_step
@@ -52,6 +52,12 @@ def test_long_prompts_may_have_outputs_of_their_own():
     plain = {s.max_tokens for _, s in load.schedule() if s.kind == "long"}  # without: the load's outputs
     assert len(plain) > 1 and all(64 <= n <= 128 for n in plain)
     assert docs.describe()["long_output"] == [1, 1] and load.describe()["long_output"] == [64, 128]
+
+
+@pytest.mark.parametrize("ms, rounded", [(1234.0, 1230.0), (104.0, 100.0), (4.44, 4.4), (0.02, 0.1)])
+def test_calibrated_slos_never_round_to_zero(ms, rounded):
+    # a tiny model's 0.8 ms gap x 5 once rounded to tens gave a 0 ms SLO, which the policy refuses
+    assert round_ms(ms) == rounded
 
 
 @pytest.mark.parametrize("values, expected", [
