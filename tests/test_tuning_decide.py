@@ -46,7 +46,8 @@ def run(windows, policy=POLICY, state=None, start_time=0.0, step=10.0):
     state = state or TunerState(START)
     decisions = []
     for i, obs in enumerate(windows):
-        d = decide(state, obs, policy, start_time + i * step)
+        now = start_time + i * step
+        d = decide(state, dataclasses.replace(obs, start=now - policy.window_s, end=now), policy, now)
         decisions.append(d)
         state = d.state
     return decisions
@@ -118,6 +119,17 @@ def test_itl_breach_with_ttft_headroom_lowers_chunk_then_backs_off_at_its_bound(
     assert actions(d) == [HOLD, LOWER_CHUNK, LOWER_CHUNK, BACK_OFF_SEQS, BACK_OFF_SEQS]
     assert [x.state.knobs.prefill_chunk_size for x in d] == [128, 64, 32, 32, 32]
     assert "SLO breached" in d[1].reason and "p99 ITL 130 ms" in d[1].reason
+
+
+def test_overlapping_windows_confirm_a_breach_only_once_it_outlasts_a_window():
+    """Ticks every 2 s over 10 s windows: one stall stays in five windows in a row. It must not confirm
+    itself; a breach still there in a window that no longer overlaps the first one is acted on."""
+    policy = POLICY.replace(interval_s=2, window_s=10, cooldown_s=10)
+    passing = run([GOOD_IDLE] + [ITL_OVER] * 5 + [GOOD_IDLE], policy=policy, step=2)
+    assert actions(passing) == [HOLD] * 7
+    assert "1 separate window(s) in a row, 2 needed" in passing[5].reason
+    lasting = run([GOOD_IDLE] + [ITL_OVER] * 6, policy=policy, step=2)
+    assert actions(lasting) == [HOLD] * 6 + [LOWER_CHUNK]
 
 
 def test_itl_breach_with_ttft_near_its_slo_still_takes_the_chunk_first():

@@ -10,7 +10,7 @@ Rules, in order (docs/tuning.md explains each and why):
    `retry_after_s`, doubling each time the same knob fails the same way again;
 4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
    that actually ran, when fewer ran than the cap);
-5. a breach (confirmed over `confirm_breaches` windows unless severe) is diagnosed: ITL over while TTFT
+5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe) is diagnosed: ITL over while TTFT
    is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while ITL has headroom raises
    max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; otherwise
    max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
@@ -84,8 +84,12 @@ class TunerState:
     previous_action: str | None = None
     pending: PendingChange | None = None
     failed: tuple[FailedSetting, ...] = ()
-    num_ttft_breaches: int = 0  # windows in a row in which p99 TTFT was over its SLO
+    # windows in a row in which p99 TTFT (ITL) was over its SLO, counting only windows that do not overlap
+    # the last one counted, and the end of that one
+    num_ttft_breaches: int = 0
     num_itl_breaches: int = 0
+    ttft_breach_end: float | None = None
+    itl_breach_end: float | None = None
     tuned: Condition = NOT_OBSERVED
 
     def blocked_until(self, knobs: Knobs, now: float, mix: float | None = None,
@@ -143,9 +147,11 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
                      state.tuned)
 
     healthy = r.met and r.trouble is None
+    num_ttft, ttft_end = _count_breach(state.num_ttft_breaches, state.ttft_breach_end, r.ttft > 1, obs, policy)
+    num_itl, itl_end = _count_breach(state.num_itl_breaches, state.itl_breach_end, r.itl > 1, obs, policy)
     s = dataclasses.replace(state, pending=None, last_good=state.knobs if healthy else state.last_good,
-                            num_ttft_breaches=state.num_ttft_breaches + 1 if r.ttft > 1 else 0,
-                            num_itl_breaches=state.num_itl_breaches + 1 if r.itl > 1 else 0)
+                            num_ttft_breaches=num_ttft, ttft_breach_end=ttft_end,
+                            num_itl_breaches=num_itl, itl_breach_end=itl_end)
     if state.pending is not None and not healthy:
         p = state.pending
         worse = _judge(p, r, obs, policy)
@@ -170,8 +176,8 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
             # the verdict has the action's hysteresis: a met SLO stays met until the breach is confirmed,
             # so one noisy window does not flip the condition (nor a quiet spell after it freeze it False)
             tuned = state.tuned if state.tuned.status == "True" else _breached(r, state.tuned)
-            return _stay(s, now, f"SLO breached in {n} window(s) in a row, {policy.confirm_breaches} needed to "
-                                 f"act; {r.text}", False, tuned)
+            return _stay(s, now, f"SLO breached in {n} separate window(s) in a row, {policy.confirm_breaches} "
+                                 f"needed to act; {r.text}", False, tuned)
         moves = _corrections(state.knobs, obs, r, policy, ttft_bad, itl_bad)
         return _correct(s, policy, now, r, moves, "SLO breached")
 
@@ -209,6 +215,19 @@ def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
             f"(SLO {policy.itl_p99_ms:g} ms), KV {obs.kv_usage:.0%}, {obs.queued:.1f} waiting, "
             f"{obs.num_samples} samples")
     return _Reading(ttft, itl, max(ttft, itl), trouble, text, obs.request_rate, obs.prompt_tokens_per_request)
+
+
+def _count_breach(num: int, last_end: float | None, over: bool, obs: Observation,
+                  policy: TuningPolicy) -> tuple[int, float | None]:
+    """The breaches in a row of one p99 after this window: (count, end of the last window counted). A
+    window that overlaps the last one counted adds nothing: with ticks closer than a window (the default
+    ticks every 30 s over 60 s windows) two windows share samples, and one stall in the shared part would
+    confirm itself. Half an interval of slack absorbs the ticks' jitter."""
+    if not over:
+        return 0, None
+    if last_end is None or obs.start >= last_end - policy.interval_s / 2:
+        return num + 1, obs.end
+    return num, last_end
 
 
 def _ms(seconds: float | None) -> str:
