@@ -188,7 +188,7 @@ def run_all(args) -> dict:
             "load": load.describe(), "num_requests": len(load.schedule()), "slo_ms": slo, "calibration": cal,
             "rate_scale": speed,
             "policy": {k: str(v) if not isinstance(v, (int, float, str)) else v for k, v in vars(policy).items()},
-            "tuned": tuned, "grid": grid, "verdict": verdict(tuned, grid, rounds),
+            "tuned": tuned, "grid": grid, "verdict": verdict(tuned, grid, rounds, load.describe()["phases"]),
             "rounds": [{"order": r["order"]} for r in rounds] if len(rounds) > 1 else None,
             "elapsed_s": round(time.monotonic() - t_start, 1)}
 

@@ -12,7 +12,8 @@ import pytest
 
 from benchmarks.tuning import main, round_ms
 from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
-from benchmarks.tuning_report import best_static, fold_repeats, median_or_none, noise_check, verdict
+from benchmarks.tuning_report import (attainable, best_static, fold_repeats, median_or_none, noise_check,
+                                      phase_spans, verdict)
 from benchmarks.tuning_runs import convergence_s, within_one_step
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.server.bench.client import RequestRecord
@@ -155,6 +156,33 @@ def test_repeats_fold_into_medians_and_the_verdict_pairs_rounds():
     assert v["goodput_ratio_per_round"] == pytest.approx([1.1, 1.1, 27 / 24])
 
 
+def test_attainable_reads_each_phases_best_static_run_and_the_windows_some_setting_met():
+    def run(chunk, goods, windows, **extra):
+        # requests at 0..5 s: phase A is [0, 3), phase B [3, 6); windows of 2 s
+        return {"max_num_seqs": 64, "prefill_chunk_size": chunk, "num_good": sum(goods),
+                "requests": [{"start_s": float(t), "good": g} for t, g in enumerate(goods)],
+                "windows": [{"start_s": 2.0 * i, "within_slo": w} for i, w in enumerate(windows)], **extra}
+
+    small = run(64, [True, True, True, False, False, True], [True, True, False])  # wins A, loses B
+    large = run(256, [False, True, False, True, True, True], [False, None, True])  # loses A, wins B
+    spans = phase_spans([{"duration_s": 3.0}, {"duration_s": 3.0}])
+    assert spans == [(0.0, 3.0), (3.0, 6.0)]
+    rnd = {"grid": [small, large], "tuned": {"convergence_s": 2.0}}
+    a = attainable(rnd, (64, 64), spans)
+    # per phase the best: A 3 (small), B 3 (large); over small's 4 good
+    assert a["num_good"] == 6 and a["goodput_ratio"] == pytest.approx(1.5)
+    # some setting met the SLO in every window; a window neither decided would not count
+    assert a["windows"] == 1.0 and a["windows_after_convergence"] == 1.0
+    both_miss = run(256, [False, True, False, True, True, True], [False, False, False])
+    a = attainable({**rnd, "grid": [small, both_miss]}, (64, 64), spans)
+    assert a["windows"] == pytest.approx(2 / 3) and a["windows_after_convergence"] == 0.5
+    assert attainable({**rnd, "tuned": {"convergence_s": None}}, (64, 64), spans)["windows_after_convergence"] is None
+    v = verdict({"goodput_rps": 0.5, "windows_within_slo_after_convergence": 0.5},
+                [{**small, "goodput_rps": 0.4, "windows_within_slo": 0.67},
+                 {**large, "goodput_rps": 0.3, "windows_within_slo": 0.5}], [rnd], [{"duration_s": 3.0}] * 2)
+    assert v["attainable"]["goodput_ratio"] == pytest.approx(1.5) and len(v["attainable"]["per_round"]) == 1
+
+
 def test_noise_check_compares_the_requests_sent_before_the_first_change():
     def run(goods):
         return {"requests": [{"start_s": float(t), "good": g} for t, g in enumerate(goods)]}
@@ -187,6 +215,9 @@ def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     assert [r["order"] for r in result["rounds"]] == [["2/16", "tuned", "4/16"], ["4/16", "tuned", "2/16"]]
     assert "tuned / best static good requests, round by round" in printed
     assert len(result["verdict"]["goodput_ratio_per_round"]) == 2
+    assert "attainable by switching among the grid's settings" in printed
+    reach = result["verdict"]["attainable"]
+    assert len(reach["per_round"]) == 2 and all(reach["num_good"] >= g["num_good"] for g in result["grid"])
     for row in [result["tuned"], *result["grid"]]:
         assert len(row["repeats"]) == 2 and row["num_requests"] == n
         assert min(r["num_good"] for r in row["repeats"]) <= row["num_good"] <= max(r["num_good"] for r in row["repeats"])
