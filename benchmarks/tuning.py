@@ -20,7 +20,9 @@
    backwards), and compared on their medians (benchmarks/tuning_report.py).
 4. The table: goodput (requests meeting both SLOs per second of load; benchmarks/tuning_load.py says
    exactly how) and the share of windows within SLO, per configuration; the best static; the tuned run
-   with its convergence and knob trajectory; the ratio and PASS/MISS against the targets (1.1x, 99%).
+   with its convergence and knob trajectory; the ratio and PASS/MISS against the targets (1.1x, 99%);
+   and what switching among the grid's settings could reach on this load at all (each phase's best
+   static run; the windows in which some static setting met the SLO), so a miss says whose it is.
 """
 
 from __future__ import annotations
