@@ -6,6 +6,8 @@ metrics in test_tuning_observe.py and test_tuning_live.py."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from iterserve.operator.tuning.act import get_scheduler
@@ -151,3 +153,14 @@ def test_set_knobs_restarts_the_window(pods):
     tuner.set_knobs(START.replace(max_num_seqs=12), now=50.0)
     tuner.tick(now=51.0)
     assert tuner.source.calls[-1][2] == 50.0 and seqs(pods[0]) == 14
+
+
+def test_a_verdict_that_turns_without_a_move_is_logged(pods, caplog):
+    from tests.test_tuning_decide import GOOD_IDLE
+
+    tuner, _ = make_tuner(pods[:1], obs=GOOD_IDLE)  # SLO met, nothing waits: no move
+    with caplog.at_level(logging.INFO, logger="iterserve.operator.tuning"):
+        assert tuner.tick(now=10.0).decision.action == "hold"
+        tuner.tick(now=11.0)  # the same verdict again: nothing more to say
+    turns = [r.getMessage() for r in caplog.records if "Tuned" in r.getMessage()]
+    assert len(turns) == 1 and "team-a/chat: Tuned Unknown/NotObserved -> True/SLOMet" in turns[0]

@@ -122,6 +122,7 @@ class Tuner:
         if self.policy.mode != "off":
             obs = self.source.observe(pods, now, self.policy.window_s, since=self.state.last_change_time)
             errors += list(obs.errors) if obs else []
+        before = self.state.tuned
         decision = decide(self.state, obs, self.policy, now)
         changed = False
         if decision.applied and decision.knobs is not None:
@@ -134,6 +135,10 @@ class Tuner:
         if decision.action != HOLD or errors:
             logger.info("%s/%s: %s -> %s (%s)%s", self.namespace, self.name, decision.action,
                         self.state.knobs.describe(), decision.reason, f"; errors: {errors}" if errors else "")
+        elif ((after := self.state.tuned).status, after.reason) != (before.status, before.reason):
+            # a verdict that turned without a move: the Event says it too, the log keeps it beside the moves
+            logger.info("%s/%s: Tuned %s/%s -> %s/%s: %s", self.namespace, self.name, before.status, before.reason,
+                        after.status, after.reason, after.message)
         if self.metrics is not None:
             self.metrics.record(record)
         return record
