@@ -10,9 +10,9 @@ Rules, in order (docs/tuning.md explains each and why):
    `retry_after_s`, doubling each time the same knob fails the same way again;
 4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
    that actually ran, when fewer ran than the cap);
-5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe) is diagnosed: ITL over while TTFT
-   is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while ITL has headroom raises
-   max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; otherwise
+5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe) is diagnosed:
+   ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
+   ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; otherwise
    max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
 6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
    holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
