@@ -191,7 +191,12 @@ def _ms(seconds: float | None) -> float | None:
 
 def share_within(windows: list[dict]) -> float | None:
     """Share of the decided windows that met the SLO (None when no window was decided)."""
-    decided = [w["within_slo"] for w in windows if w["within_slo"] is not None]
+    return share_decided([w["within_slo"] for w in windows])
+
+
+def share_decided(verdicts: list[bool | None]) -> float | None:
+    """Share of True among the verdicts that are not None (None when every one is)."""
+    decided = [v for v in verdicts if v is not None]
     return sum(decided) / len(decided) if decided else None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from benchmarks.tuning_load import num_good_before
+from benchmarks.tuning_load import num_good_before, share_decided
 from benchmarks.tuning_runs import DEFAULT_KNOBS
 
 GOODPUT_TARGET = 1.1
@@ -91,11 +91,6 @@ def attainable(rnd: dict, best: tuple[int, int], spans: list[tuple[float, float]
     after = [m for m, w in zip(some_met, grid[0]["windows"]) if conv is not None and w["start_s"] >= conv]
     return {"goodput_ratio": per_phase / static if static else math.inf, "num_good": per_phase,
             "windows": share_decided(some_met), "windows_after_convergence": share_decided(after)}
-
-
-def share_decided(verdicts: list[bool | None]) -> float | None:
-    decided = [v for v in verdicts if v is not None]
-    return sum(decided) / len(decided) if decided else None
 
 
 def verdict(tuned: dict, grid: list[dict], rounds: list[dict] | None = None,
