@@ -40,6 +40,12 @@ SEVERE = window(ttft=3000, itl=400)
 ITL_OVER = window(ttft=300, itl=130)  # decode stalls while first tokens come early
 TTFT_OVER_QUEUED = window(ttft=1300, itl=40, waiting=4)
 TTFT_OVER_NO_QUEUE = window(ttft=1300, itl=40)
+# a new load's onset: its prompts stall the decodes left from the last one (ITL over, confirmed by the
+# next window), then queue (TTFT severe)
+STALL = window(ttft=900, itl=120)
+STALL_QUEUED = window(ttft=900, itl=120, waiting=3)
+ONSET = window(ttft=2500, itl=120)
+ONSET_QUEUED = window(ttft=2500, itl=120, waiting=3)
 
 
 def run(windows, policy=POLICY, state=None, start_time=0.0, step=10.0):
@@ -88,6 +94,10 @@ def seqs(decisions):
     ("breach then recovery", [BOTH_OVER, BOTH_OVER, GOOD_IDLE, GOOD_IDLE], [HOLD, BACK_OFF_SEQS, HOLD, HOLD],
      [8, 4, 4, 4], "True"),
     ("TTFT over with a queue and ITL headroom: more seqs", [TTFT_OVER_QUEUED] * 2, [HOLD, RAISE_SEQS], [8, 10],
+     "False"),
+    ("a new load's onset: ITL over, then TTFT severe and the farther: capacity first", [STALL, ONSET],
+     [HOLD, RAISE_CHUNK], [8, 8], "False"),
+    ("the same with the batch cap binding: more seqs", [STALL_QUEUED, ONSET_QUEUED], [HOLD, RAISE_SEQS], [8, 10],
      "False"),
 ])
 def test_decision_table(name, windows, want_actions, want_seqs, want_tuned):
@@ -154,6 +164,11 @@ def test_both_over_at_the_lower_bounds_is_bounds_reached():
     d = run([window(ttft=3000, itl=400)] * 2, state=TunerState(START.replace(max_num_seqs=2, prefill_chunk_size=32)))
     assert actions(d) == [HOLD, HOLD]
     assert d[-1].tuned.status == "False" and d[-1].tuned.reason == "BoundsReached"
+
+
+def test_both_over_with_ttft_severe_backs_off_once_the_chunk_is_at_its_bound():
+    d = run([STALL, ONSET], state=TunerState(START.replace(prefill_chunk_size=512)))
+    assert actions(d) == [HOLD, BACK_OFF_SEQS] and seqs(d) == [8, 4]
 
 
 def test_raise_that_breaks_the_slo_rolls_back_and_is_not_retried_at_once():

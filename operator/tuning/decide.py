@@ -12,7 +12,9 @@ Rules, in order (docs/tuning.md explains each and why):
    that actually ran, when fewer ran than the cap);
 5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe) is diagnosed:
    ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
-   ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; otherwise
+   ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; both
+   over as TTFT turns severe and the farther over adds capacity the same way first (a queue compounds);
+   otherwise
    max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
 6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
    holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
@@ -178,7 +180,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
             tuned = state.tuned if state.tuned.status == "True" else _breached(r, state.tuned)
             return _stay(s, now, f"SLO breached in {n} separate window(s) in a row, {policy.confirm_breaches} "
                                  f"needed to act; {r.text}", False, tuned)
-        moves = _corrections(state.knobs, obs, r, policy, ttft_bad, itl_bad)
+        moves = _corrections(state.knobs, obs, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
         return _correct(s, policy, now, r, moves, "SLO breached")
 
     met = Condition("True", "SLOMet", f"{r.text} at {state.knobs.describe()}")
@@ -285,8 +287,9 @@ def _cap_binds(k: Knobs, obs: Observation, policy: TuningPolicy) -> bool:
 
 
 def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, ttft_bad: bool,
-                 itl_bad: bool) -> list[tuple[str, Knobs]]:
-    """The moves that can cure this (confirmed) breach, best first."""
+                 itl_bad: bool, new_queue: bool = False) -> list[tuple[str, Knobs]]:
+    """The moves that can cure this (confirmed) breach, best first. `new_queue`: TTFT was within its SLO
+    until this window (no earlier one that does not overlap it was over)."""
     room = 1 - policy.headroom
     chunks = _chunk_bounds(k, policy)
     smaller = (LOWER_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.floor(k.prefill_chunk_size
@@ -306,7 +309,13 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
         if r.itl <= room:
             return [more, larger] if capped else [larger]  # too few places in the batch, or too many steps
         return [smaller, more] if capped else [larger]  # make ITL room before adding sequences
-    return [smaller, fewer] if capped else [fewer, smaller]  # a smaller chunk first: it costs no capacity
+    overload = [smaller, fewer] if capped else [fewer, smaller]  # a smaller chunk first: it costs no capacity
+    if new_queue and r.ttft >= policy.severe_ratio and r.ttft > r.itl:
+        # both over, TTFT suddenly and the farther: a new load's prompts queue and stall the decodes left from
+        # the last one. The queue compounds, the stall drains: less capacity would only grow the queue. Once
+        # the breach outlasts a window, an overload is the likelier cause and the back-off below applies
+        return ([more, larger] if capped else [larger]) + overload
+    return overload
 
 
 def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves: list[tuple[str, Knobs]],
