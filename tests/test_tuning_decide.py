@@ -205,6 +205,18 @@ def test_correction_that_makes_a_breach_worse_is_reverted():
     assert actions(kept) == [HOLD, RAISE_SEQS, RAISE_SEQS]
 
 
+def test_a_smaller_chunk_is_not_blamed_for_the_itl_of_a_burst_of_prompts():
+    worse = window(ttft=300, itl=160)
+    d = run([ITL_OVER, ITL_OVER, worse])
+    assert actions(d) == [HOLD, LOWER_CHUNK, ROLLBACK]
+    assert "with no more prefill work" in d[2].reason
+    # the same ITL while twice the prompt tokens are computed: the burst stalls decodes at any chunk
+    burst = dataclasses.replace(worse, prompt_token_rate=2 * worse.prompt_token_rate)
+    d = run([ITL_OVER, ITL_OVER, burst])
+    assert actions(d) == [HOLD, LOWER_CHUNK, LOWER_CHUNK]
+    assert d[-1].state.knobs.prefill_chunk_size == 32
+
+
 def test_no_better_setting_once_every_move_failed():
     # both over, nothing queued: back off, then a smaller chunk; each makes ITL worse and is reverted
     worse = window(ttft=1400, itl=150)
@@ -212,7 +224,7 @@ def test_no_better_setting_once_every_move_failed():
     assert actions(d) == [HOLD, BACK_OFF_SEQS, ROLLBACK, LOWER_CHUNK, ROLLBACK, HOLD]
     assert d[-1].state.knobs == START
     assert d[-1].tuned.reason == "NoBetterSetting" and d[-1].tuned.message.count("retry in") == 2
-    assert "p99 ITL/SLO 1.20 -> 1.50" in d[2].reason
+    assert "p99 ITL/SLO 1.20 -> 1.50 with no more prefill work" in d[2].reason
 
 
 def test_ttft_over_with_itl_tight_makes_itl_room_before_adding_sequences():

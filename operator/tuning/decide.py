@@ -6,7 +6,8 @@ Rules, in order (docs/tuning.md explains each and why):
    unless pods preempt or fail;
 3. the first window after a change judges it: a change that broke a met SLO (or brought preemptions or
    errors) is rolled back to the last good setting; a correction that failed to improve the p99 it aimed
-   at, or pushed the other p99 over its SLO, is reverted; the failed setting is not retried before
+   at (with no more work of the kind that drives it: throughput for TTFT, prefill for ITL), or pushed the
+   other p99 over its SLO, is reverted; the failed setting is not retried before
    `retry_after_s`, doubling each time the same knob fails the same way again;
 4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
    that actually ran, when fewer ran than the cap);
@@ -75,6 +76,7 @@ class PendingChange:
     before_ttft: float  # p99 / SLO ratios and throughput before it
     before_itl: float
     before_request_rate: float
+    before_prompt_token_rate: float
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class _Reading:
     trouble: str | None  # preemptions or failed steps, described
     text: str  # the figures, for reasons
     obs_request_rate: float
+    obs_prompt_token_rate: float
     mix: float | None  # prompt tokens per finished request: what a failure is remembered with
 
     @property
@@ -216,7 +219,8 @@ def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
     text = (f"p99 TTFT {_ms(obs.ttft_p99_s)} (SLO {policy.ttft_p99_ms:g} ms), p99 ITL {_ms(obs.itl_p99_s)} "
             f"(SLO {policy.itl_p99_ms:g} ms), KV {obs.kv_usage:.0%}, {obs.queued:.1f} waiting, "
             f"{obs.num_samples} samples")
-    return _Reading(ttft, itl, max(ttft, itl), trouble, text, obs.request_rate, obs.prompt_tokens_per_request)
+    return _Reading(ttft, itl, max(ttft, itl), trouble, text, obs.request_rate, obs.prompt_token_rate,
+                    obs.prompt_tokens_per_request)
 
 
 def _count_breach(num: int, last_end: float | None, over: bool, obs: Observation,
@@ -267,8 +271,9 @@ def _judge(p: PendingChange, r: _Reading, obs: Observation, policy: TuningPolicy
         return r.trouble or f"it broke the SLO: {r.text}"
     if r.trouble and not p.before_trouble:
         return r.trouble
-    if p.aim == "itl" and r.itl > p.before_itl * tol:
-        return f"p99 ITL/SLO {p.before_itl:.2f} -> {r.itl:.2f}"
+    if p.aim == "itl" and r.itl > p.before_itl * tol and obs.prompt_token_rate <= p.before_prompt_token_rate * tol:
+        # a burst of prompts stalls decodes at any chunk: a cure is blamed only under no more prefill work
+        return f"p99 ITL/SLO {p.before_itl:.2f} -> {r.itl:.2f} with no more prefill work"
     if p.aim == "ttft" and r.ttft > p.before_ttft * tol and obs.request_rate <= p.before_request_rate:
         # a backlog keeps TTFT growing for a while after capacity was added: more throughput forgives it
         return f"p99 TTFT/SLO {p.before_ttft:.2f} -> {r.ttft:.2f} with no more throughput"
@@ -388,7 +393,7 @@ def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: 
     pending = None
     if r is not None and action != ROLLBACK:
         pending = PendingChange(s.knobs, action, r.met and r.trouble is None, r.trouble is not None, aim, r.ttft,
-                                r.itl, r.obs_request_rate)
+                                r.itl, r.obs_request_rate, r.obs_prompt_token_rate)
     nxt = dataclasses.replace(s, knobs=target, last_change_time=now, pending=pending, tuned=tuned,
                               previous_knobs=s.knobs, previous_action=action)
     return Decision(action, reason, now, target, True, met, tuned, nxt)
