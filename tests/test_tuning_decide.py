@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from iterserve.operator.tuning.decide import (
-    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, RESTORE, ROLLBACK, TunerState, decide,
+    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK, TunerState, decide,
 )
 from iterserve.operator.tuning.failures import same_mix
 from iterserve.operator.tuning.knobs import Knobs
@@ -215,29 +215,6 @@ def test_a_smaller_chunk_is_not_blamed_for_the_itl_of_a_burst_of_prompts():
     d = run([ITL_OVER, ITL_OVER, burst])
     assert actions(d) == [HOLD, LOWER_CHUNK, LOWER_CHUNK]
     assert d[-1].state.knobs.prefill_chunk_size == 32
-
-
-def docs(**figures) -> Observation:
-    """A window of long documents: 400 prompt tokens per request against the chats' 20."""
-    return dataclasses.replace(window(**figures), prompt_token_rate=2000)
-
-
-def test_a_load_that_comes_back_gets_the_setting_that_served_it_at_once():
-    chats_at_64 = TunerState(START.replace(prefill_chunk_size=64))
-    stall = window(ttft=300, itl=200)
-    d = run([GOOD_IDLE, docs(ttft=2000, itl=40), docs(ttft=2000, itl=40), docs(), stall], state=chats_at_64)
-    assert actions(d) == [HOLD, RAISE_CHUNK, RAISE_CHUNK, HOLD, RESTORE], [x.reason for x in d]
-    assert d[-1].state.knobs == chats_at_64.knobs  # 256 -> 64 in one move, where lowering would take two
-    # with no earlier chats window met, the chunk is halved as before
-    d = run([docs(ttft=2000, itl=40), docs(ttft=2000, itl=40), docs(), stall], state=chats_at_64)
-    assert actions(d)[-1] == LOWER_CHUNK and d[-1].state.knobs.prefill_chunk_size == 128
-
-
-def test_a_breach_under_the_load_last_met_is_its_own_and_restores_nothing():
-    # met at 8, then the same chats arrive faster: the raise that helps is kept, not undone to 8
-    better = window(ttft=1100, itl=40, waiting=2)
-    d = run([GOOD_IDLE, TTFT_OVER_QUEUED, TTFT_OVER_QUEUED, better])
-    assert actions(d) == [HOLD, HOLD, RAISE_SEQS, RAISE_SEQS]
 
 
 def test_no_better_setting_once_every_move_failed():

@@ -15,9 +15,8 @@ Rules, in order (docs/tuning.md explains each and why):
    ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
    ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; both
    over as TTFT turns severe and the farther over adds capacity the same way first (a queue compounds);
-   otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity). When
-   the load changed back to one the SLO was met under before (prompt tokens per request), the setting that
-   met it then comes first (known_good.py);
+   otherwise
+   max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
 6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
    holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
@@ -40,7 +39,6 @@ from dataclasses import dataclass
 
 from iterserve.operator.tuning.failures import FailedSetting, remember_failure
 from iterserve.operator.tuning.knobs import Knobs
-from iterserve.operator.tuning.known_good import KnownGood, good_for_returning_load, remember_good
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import KnobBounds, TuningPolicy
 
@@ -51,8 +49,7 @@ BACK_OFF_SEQS = "back_off_max_num_seqs"
 LOWER_CHUNK = "lower_prefill_chunk_size"
 RAISE_CHUNK = "raise_prefill_chunk_size"
 ROLLBACK = "rollback"
-RESTORE = "restore_known_good"
-ACTIONS = (HOLD, CLAMP, RAISE_SEQS, BACK_OFF_SEQS, LOWER_CHUNK, RAISE_CHUNK, ROLLBACK, RESTORE)
+ACTIONS = (HOLD, CLAMP, RAISE_SEQS, BACK_OFF_SEQS, LOWER_CHUNK, RAISE_CHUNK, ROLLBACK)
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,6 @@ class TunerState:
     previous_action: str | None = None
     pending: PendingChange | None = None
     failed: tuple[FailedSetting, ...] = ()
-    known_good: tuple[KnownGood, ...] = ()  # per load mix, the last setting that met the SLO without trouble
     # windows in a row in which p99 TTFT (ITL) was over its SLO, counting only windows that do not overlap
     # the last one counted, and the end of that one
     num_ttft_breaches: int = 0
@@ -158,10 +154,8 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
     healthy = r.met and r.trouble is None
     num_ttft, ttft_end = _count_breach(state.num_ttft_breaches, state.ttft_breach_end, r.ttft > 1, obs, policy)
     num_itl, itl_end = _count_breach(state.num_itl_breaches, state.itl_breach_end, r.itl > 1, obs, policy)
-    known = (remember_good(state.known_good, r.mix, state.knobs, now, policy.mix_factor) if healthy
-             else state.known_good)
     s = dataclasses.replace(state, pending=None, last_good=state.knobs if healthy else state.last_good,
-                            known_good=known, num_ttft_breaches=num_ttft, ttft_breach_end=ttft_end,
+                            num_ttft_breaches=num_ttft, ttft_breach_end=ttft_end,
                             num_itl_breaches=num_itl, itl_breach_end=itl_end)
     if state.pending is not None and not healthy:
         p = state.pending
@@ -190,8 +184,6 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
             return _stay(s, now, f"SLO breached in {n} separate window(s) in a row, {policy.confirm_breaches} "
                                  f"needed to act; {r.text}", False, tuned)
         moves = _corrections(state.knobs, obs, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
-        if (good := good_for_returning_load(s.known_good, r.mix, policy.mix_factor)) is not None:
-            moves.insert(0, (RESTORE, good))  # a load seen before: straight to what served it then
         return _correct(s, policy, now, r, moves, "SLO breached")
 
     met = Condition("True", "SLOMet", f"{r.text} at {state.knobs.describe()}")
@@ -342,8 +334,8 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves
         if until is None:
             if policy.mode == "auto":  # a recommendation moves nothing, so there is nothing to remember
                 s = dataclasses.replace(s, failed=_remember_move(s, action, target, now, policy, r.mix))
-            aim = AIMS.get(action, "ttft" if r.ttft >= r.itl else "itl") if aimed else None
-            return _move(s, policy, now, action, target, f"{why}: {r.text}", r, _breached(r, s.tuned), aim=aim)
+            return _move(s, policy, now, action, target, f"{why}: {r.text}", r, _breached(r, s.tuned),
+                         aim=AIMS[action] if aimed else None)
         blocked.append(f"{action} to {target.describe()} made things worse (retry in {until - now:.0f} s)")
     if blocked:
         tuned = Condition("False", "NoBetterSetting", f"{r.text}; " + "; ".join(blocked))
