@@ -15,8 +15,7 @@ Rules, in order (docs/tuning.md explains each and why):
    ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
    ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; both
    over as TTFT turns severe and the farther over adds capacity the same way first (a queue compounds);
-   otherwise
-   max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
+   otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
 6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
    holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
