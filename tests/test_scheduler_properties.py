@@ -339,10 +339,14 @@ class EngineMachine(RuleBasedStateMachine):
         assert out.total_num_scheduled_tokens <= knobs.max_num_batched_tokens
         for req, n, c, total, tlen in zip(out.scheduled_requests, out.num_scheduled_tokens, cap.computed_before,
                                           cap.num_tokens_before, cap.table_lens):
-            assert 1 <= n <= knobs.prefill_chunk_size, (req, n, knobs)
+            assert 1 <= n, (req, n, knobs)
             assert c + n <= total, f"{req} scheduled {n} tokens past its end"
             # on-demand allocation: exactly the blocks this step's tokens need
             assert tlen == cdiv(c + n, bs), (req, c, n, tlen)
+        # prefill tokens (requests with more than one token left) share prefill_chunk_size per step
+        prefill = [n for n, c, total in zip(out.num_scheduled_tokens, cap.computed_before, cap.num_tokens_before)
+                   if total - c > 1]
+        assert sum(prefill) <= knobs.prefill_chunk_size, (prefill, knobs)
         # aborts: exactly the unfinished requests aborted since the last step
         aborted_ids = {r.request_id for r in out.aborted_requests}
         assert len(aborted_ids) == len(out.aborted_requests), "a request is aborted twice"

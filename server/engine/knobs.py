@@ -17,7 +17,7 @@ from iterserve.server.engine.sampling_params import InvalidRequestError
 class SchedulerKnobs:
     max_num_seqs: int = 64  # most requests in the running batch
     max_num_batched_tokens: int = 512  # token budget of one step (decodes count 1 each)
-    prefill_chunk_size: int = 256  # most prompt tokens one request computes in one step
+    prefill_chunk_size: int = 256  # most prompt tokens computed in one step, all requests together
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

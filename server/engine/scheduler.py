@@ -1,12 +1,16 @@
 """Iteration-level scheduling: at every step, choose which requests compute how many tokens.
 
 Order of one `schedule()` (Orca's iteration-level batching, vLLM v1's token accounting):
-  1. running requests first, oldest first: each takes the tokens it still has to compute, at most
-     `prefill_chunk_size` and at most what is left of the step's `max_num_batched_tokens` (a decode
-     takes 1); when one cannot get a KV block, the newest running request is preempted (its blocks
-     freed, back to the waiting queue to recompute later) until it can;
+  1. running requests first, oldest first: each takes the tokens it still has to compute, at most what
+     is left of the step's `max_num_batched_tokens` (a decode takes 1); when one cannot get a KV block,
+     the newest running request is preempted (its blocks freed, back to the waiting queue to recompute
+     later) until it can;
   2. waiting requests are admitted in (priority, arrival) order while running < `max_num_seqs`, their
      next chunk's blocks fit and budget remains. Nothing is admitted in a step that had to preempt.
+Prompt tokens (a request with more than one token left to compute is prefilling: a prompt, or a
+preempted request's recompute) share a second budget, `prefill_chunk_size` per step over all requests
+(Sarathi-Serve's chunk). A decode's stall is what one step's prefill costs, so the knob bounds it only
+as a sum: a per-request cap lets N prompts that arrive together stall decodes N times as long.
 The `static` policy is the baseline without iteration-level batching: a batch of up to `max_num_seqs`
 is chosen only once the previous one has fully drained, and no one else joins it meanwhile.
 """
@@ -86,7 +90,7 @@ class Scheduler:
         aborted = self._drain_inboxes()
         knobs = self.knobs.value
         budget = knobs.max_num_batched_tokens
-        chunk = knobs.prefill_chunk_size
+        prefill_left = knobs.prefill_chunk_size
         bm = self.block_manager
         scheduled: list[Request] = []
         num_tokens: list[int] = []
@@ -96,7 +100,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, chunk, budget)
+            n = _num_to_compute(req, budget, prefill_left)
+            if n == 0:  # a prompt in progress, and this step's prefill tokens are spent: it waits a step
+                i += 1
+                continue
             total = req.num_computed_tokens + n
             while not bm.can_allocate(req.request_id, total):
                 victim = self.running.pop()
@@ -109,10 +116,11 @@ class Scheduler:
                 scheduled.append(req)
                 num_tokens.append(n)
                 budget -= n
+                prefill_left -= _prefill_tokens(req, n)
                 i += 1
 
         if not preempted:
-            self._admit(knobs, budget, scheduled, num_tokens, tables)
+            self._admit(knobs, budget, prefill_left, scheduled, num_tokens, tables)
 
         return SchedulerOutput(
             scheduled_requests=scheduled,
@@ -134,7 +142,8 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _admit(self, knobs: SchedulerKnobs, budget: int, scheduled, num_tokens, tables) -> None:
+    def _admit(self, knobs: SchedulerKnobs, budget: int, prefill_left: int, scheduled, num_tokens,
+               tables) -> None:
         bm = self.block_manager
         if self.policy == "static" and not self.running and not self._static_batch:
             self._static_batch = {r.request_id for r in self.waiting[: knobs.max_num_seqs]}
@@ -144,7 +153,9 @@ class Scheduler:
             if self.policy == "static" and req.request_id not in self._static_batch:
                 idx += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, knobs.prefill_chunk_size, budget)
+            n = _num_to_compute(req, budget, prefill_left)
+            if n == 0:
+                break  # the step's prefill tokens are spent; FCFS: nobody overtakes the head
             if not bm.can_allocate(req.request_id, n):
                 break  # FCFS: nobody overtakes the head for lack of memory
             del self.waiting[idx]
@@ -156,6 +167,7 @@ class Scheduler:
             scheduled.append(req)
             num_tokens.append(n)
             budget -= n
+            prefill_left -= _prefill_tokens(req, n)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
@@ -193,3 +205,15 @@ class Scheduler:
 
 def _sort_key(req: Request) -> tuple[int, int]:
     return req.sort_key
+
+
+def _num_to_compute(req: Request, budget: int, prefill_left: int) -> int:
+    """Tokens `req` computes this step: what it has left, within the step's token budget and, while it
+    is prefilling (more than one token left), within what is left of the step's prefill tokens."""
+    left = req.num_tokens - req.num_computed_tokens
+    return min(left, budget) if left <= 1 else min(left, budget, prefill_left)
+
+
+def _prefill_tokens(req: Request, n: int) -> int:
+    """Of the `n` tokens just scheduled for `req`, those that count as prefill (all, unless a decode)."""
+    return n if req.num_tokens - req.num_computed_tokens > 1 else 0

@@ -20,7 +20,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV pool size: bytes (e.g. 2GiB) or a fraction (e.g. 0.5) of free memory")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    g.add_argument("--prefill-chunk-size", type=int, default=256, help="most prompt tokens per request per step")
+    g.add_argument("--prefill-chunk-size", type=int, default=256, help="most prompt tokens per step, all requests together")
     g.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests without their own")
