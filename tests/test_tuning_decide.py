@@ -242,10 +242,27 @@ def test_more_throughput_forgives_a_ttft_that_a_backlog_still_grows():
 
 
 def test_correction_that_pushes_the_other_p99_over_is_reverted():
+    # TTFT was at 1.3 of its SLO; the raise left it over (1.1) and took ITL from 0.4 to 1.1
     pushed = dataclasses.replace(window(ttft=1100, itl=110, waiting=4), request_rate=8)
     d = run([TTFT_OVER_QUEUED, TTFT_OVER_QUEUED, pushed])
     assert actions(d) == [HOLD, RAISE_SEQS, ROLLBACK]
-    assert "p99 ITL went over its SLO" in d[-1].reason
+    assert "p99 ITL went over its SLO (0.40 -> 1.10)" in d[-1].reason
+
+
+@pytest.mark.parametrize("after, want", [
+    # ITL at 1.3 of its SLO; a smaller chunk brings it under and TTFT mildly over, less than ITL was: kept,
+    # and the new breach must be confirmed like any other before the chunk goes back up
+    ([window(ttft=1200, itl=80)] * 2, [HOLD, RAISE_CHUNK]),
+    # TTFT over farther than ITL was: reverted at once
+    ([window(ttft=1400, itl=80)], [ROLLBACK]),
+    # ITL still over: the cure did not work, and it cost TTFT
+    ([window(ttft=1200, itl=110)], [ROLLBACK]),
+])
+def test_a_cure_that_trades_its_breach_for_a_smaller_one_is_kept(after, want):
+    before = window(ttft=600, itl=130)
+    d = run([before, before] + after)
+    assert actions(d)[:2] == [HOLD, LOWER_CHUNK]
+    assert actions(d)[2:] == want
 
 
 def test_back_off_leaves_a_ceiling_for_the_raises_after_it():

@@ -7,7 +7,8 @@ Rules, in order (docs/tuning.md explains each and why):
 3. the first window after a change judges it: a change that broke a met SLO (or brought preemptions or
    errors) is rolled back to the last good setting; a correction that failed to improve the p99 it aimed
    at (with no more work of the kind that drives it: throughput for TTFT, prefill for ITL), or pushed the
-   other p99 over its SLO, is reverted; the failed setting is not retried before
+   other p99 over its SLO (unless the aimed p99 is now met and the new breach is smaller), is reverted;
+   the failed setting is not retried before
    `retry_after_s`, doubling each time the same knob fails the same way again;
 4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
    that actually ran, when fewer ran than the cap);
@@ -276,9 +277,12 @@ def _judge(p: PendingChange, r: _Reading, obs: Observation, policy: TuningPolicy
     if p.aim == "ttft" and r.ttft > p.before_ttft * tol and obs.request_rate <= p.before_request_rate:
         # a backlog keeps TTFT growing for a while after capacity was added: more throughput forgives it
         return f"p99 TTFT/SLO {p.before_ttft:.2f} -> {r.ttft:.2f} with no more throughput"
-    if p.aim == "ttft" and p.before_itl <= 1 < r.itl:
+    # pushing the other p99 over its SLO made things worse, unless the cure worked and the new breach is
+    # smaller than the one it cured: that is progress, and the new breach is confirmed and diagnosed like any
+    # other (the window right after a smaller chunk can hold the prompts it slowed down, a transient)
+    if p.aim == "ttft" and p.before_itl <= 1 < r.itl and not r.ttft <= 1 < r.itl < p.before_ttft:
         return f"p99 ITL went over its SLO ({p.before_itl:.2f} -> {r.itl:.2f})"
-    if p.aim == "itl" and p.before_ttft <= 1 < r.ttft:
+    if p.aim == "itl" and p.before_ttft <= 1 < r.ttft and not r.itl <= 1 < r.ttft < p.before_itl:
         return f"p99 TTFT went over its SLO ({p.before_ttft:.2f} -> {r.ttft:.2f})"
     return None
 
