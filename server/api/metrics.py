@@ -1,4 +1,5 @@
-"""Prometheus metrics: vLLM's names, types, labels and buckets, plus iterserve's own (docs/metrics.md).
+"""Prometheus metrics: vLLM's names, types, labels and buckets (finer for latencies), plus iterserve's own
+(docs/metrics.md).
 
 Dashboards, KEDA triggers and routers written against vLLM read these unchanged: every `vllm:` series
 carries `model_name` and `engine="0"`, as vLLM v1 labels them. Counters and histograms are fed on the
@@ -12,11 +13,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from iterserve.server.engine.async_engine import AsyncEngine, StepInfo
 
-# vLLM's bucket lists (vllm/v1/metrics/loggers.py)
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-PER_TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                     20.0, 40.0, 80.0]
+# vLLM's bucket lists (vllm/v1/metrics/loggers.py) ...
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+VLLM_PER_TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                          20.0, 40.0, 80.0]
+# ... with edges added between them where SLOs lie (0.1-10 s), so no bucket there spans more than 1.5x.
+# A p99 is interpolated within its bucket: with few samples in a window, one first token at 2.6 s read as
+# a p99 of 4.85 s in vLLM's 2.5-5 s bucket, over a 4 s SLO, and the tuner acted on it. Every vLLM edge
+# stays, so a query on any `le` written for vLLM still finds its series.
+TTFT_BUCKETS = sorted(VLLM_TTFT_BUCKETS + [0.15, 0.2, 0.3, 0.4, 0.6, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 15.0, 30.0])
+PER_TOKEN_BUCKETS = sorted(VLLM_PER_TOKEN_BUCKETS + [0.02, 0.03, 0.04, 0.06, 0.125, 0.175, 0.25, 0.35, 0.45, 0.6,
+                                                     1.5, 2.0, 3.0, 4.0])
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
