@@ -40,9 +40,9 @@ def assert_same_generations(got, expected):
 def test_triton_backend_matches_torch_with_chunked_prefill_and_preemption(tiny_llama):
     path = tiny_llama[0]
     items = workload(4, seed=11, max_prompt=24, max_out=16)
-    # block size 4 and 12 KV blocks: chunks of 7 mixed with decodes, contexts ending mid-block, and
-    # requests preempted and recomputed once the pool runs out
-    options = dict(block_size=4, prefill_chunk_size=7, max_num_batched_tokens=16, max_num_seqs=4,
+    # block size 4 and 12 KV blocks: 12 prompt tokens a step mixed with decodes, contexts ending mid-block,
+    # and a request preempted and recomputed once the pool runs out
+    options = dict(block_size=4, prefill_chunk_size=12, max_num_batched_tokens=16, max_num_seqs=4,
                    max_model_len=48, kv_cache_memory=12 * 4 * 512)
     engine = make_engine(path, attention_backend="triton", **options)
     assert engine.model_runner.backend.name == "triton"
