@@ -160,6 +160,31 @@ def test_ttft_breach_without_queue_raises_chunk_up_to_the_token_budget():
     assert [x.state.knobs.prefill_chunk_size for x in capped] == [128, 200, 200]
 
 
+def chunks(decisions):
+    return [d.state.knobs.prefill_chunk_size for d in decisions]
+
+
+@pytest.mark.parametrize("name, ttft, itl, start_chunk, want_chunk", [
+    # a phase of long documents at a small chunk, nothing to decode: one step could at best bring 2.5 to 1.25
+    ("TTFT 2.5x over, ITL with headroom: two steps", 2500, 40, 64, 256),
+    ("TTFT severe, but one step reaches the headroom: one step", 1500, 40, 64, 128),
+    ("ITL inside its SLO but not under the headroom: one step", 2500, 90, 64, 128),
+    ("the token budget caps the jump", 2500, 40, 256, 512),
+])
+def test_a_ttft_far_over_raises_the_chunk_two_steps_at_once(name, ttft, itl, start_chunk, want_chunk):
+    d = run([window(ttft=ttft, itl=itl)], state=TunerState(START.replace(prefill_chunk_size=start_chunk)))
+    assert actions(d) == [RAISE_CHUNK] and chunks(d) == [want_chunk], d[0].reason
+
+
+def test_a_jump_that_fails_is_undone_whole_and_then_one_step_is_tried():
+    far = window(ttft=2500, itl=40)
+    d = run([far, window(ttft=3000, itl=40), far, window(ttft=3000, itl=40), far],
+            state=TunerState(START.replace(prefill_chunk_size=64)))
+    assert actions(d) == [RAISE_CHUNK, ROLLBACK, RAISE_CHUNK, ROLLBACK, HOLD]
+    assert chunks(d) == [256, 64, 128, 64, 64]
+    assert d[-1].tuned.reason == "NoBetterSetting"
+
+
 def test_both_over_at_the_lower_bounds_is_bounds_reached():
     d = run([window(ttft=3000, itl=400)] * 2, state=TunerState(START.replace(max_num_seqs=2, prefill_chunk_size=32)))
     assert actions(d) == [HOLD, HOLD]

@@ -14,8 +14,8 @@ Rules, in order (docs/tuning.md explains each and why):
    that actually ran, when fewer ran than the cap);
 5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe) is diagnosed:
    ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
-   ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size; both
-   over as TTFT turns severe and the farther over adds capacity the same way first (a queue compounds);
+   ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size (two
+   steps at once when one would not bring TTFT under the headroom); both over as TTFT turns severe and the farther over adds capacity the same way first (a queue compounds);
    otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
 6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
    holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
@@ -302,8 +302,11 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
     chunks = _chunk_bounds(k, policy)
     smaller = (LOWER_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.floor(k.prefill_chunk_size
                                                                                 / policy.chunk_factor))))
-    larger = (RAISE_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.ceil(k.prefill_chunk_size
-                                                                              * policy.chunk_factor))))
+    # TTFT far over while ITL has headroom: the chunk may go up two steps at once (_chunk_steps); should
+    # that jump have failed lately, one step is still worth a try
+    jumps = {chunks.clamp(math.ceil(k.prefill_chunk_size * policy.chunk_factor ** n))
+             for n in range(_chunk_steps(r.ttft, policy) if r.itl <= room else 1, 0, -1)}
+    larger = [(RAISE_CHUNK, k.replace(prefill_chunk_size=c)) for c in sorted(jumps, reverse=True)]
     more = (RAISE_SEQS, k.replace(max_num_seqs=policy.max_num_seqs_bounds.clamp(k.max_num_seqs + policy.seqs_step)))
     fewer = _back_off_seqs(k, obs, policy)
     # requests wait for a place in the batch (and the KV cache could hold more): the cap is binding
@@ -315,15 +318,26 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
         return [smaller, fewer]
     if ttft_bad and not itl_bad:
         if r.itl <= room:
-            return [more, larger] if capped else [larger]  # too few places in the batch, or too many steps
-        return [smaller, more] if capped else [larger]  # make ITL room before adding sequences
+            return [more, *larger] if capped else larger  # too few places in the batch, or too many steps
+        return [smaller, more] if capped else larger  # make ITL room before adding sequences
     overload = [smaller, fewer] if capped else [fewer, smaller]  # a smaller chunk first: it costs no capacity
     if new_queue and r.ttft >= policy.severe_ratio and r.ttft > r.itl:
         # both over, TTFT suddenly and the farther: a new load's prompts queue and stall the decodes left from
         # the last one. The queue compounds, the stall drains: less capacity would only grow the queue. Once
         # the breach outlasts a window, an overload is the likelier cause and the back-off below applies
-        return ([more, larger] if capped else [larger]) + overload
+        return ([more, *larger] if capped else larger) + overload
     return overload
+
+
+def _chunk_steps(ttft: float, policy: TuningPolicy) -> int:
+    """Chunk steps up (of chunk_factor each) a p99 TTFT at `ttft` of its SLO calls for: one, or two when one
+    would not bring it under the headroom. A prompt's prefill takes prompt / chunk steps, so a queue of long
+    prompts drains about as much faster as the chunk grows; each step costs a cooldown and a window, and in
+    run J2 the two steps 64 -> 128 -> 256 at a phase of documents took 36 s and lost 13 of them. Never more
+    than two, so a failed jump is undone before it costs much; and never down: ITL falls far less than the
+    chunk (a step's fixed cost stays) while TTFT may rise as much."""
+    needed = math.log(max(ttft, 1.0) / (1 - policy.headroom)) / math.log(policy.chunk_factor)
+    return 2 if needed > 1 else 1
 
 
 def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves: list[tuple[str, Knobs]],
