@@ -1,6 +1,6 @@
 """SLO-driven live tuning against the best static configuration, side by side in one run (issue 7).
 
-    python benchmarks/tuning.py [--rates 0.2,0.8,0.2] [--phase-s 40] [--grid-seqs 4,8,64]
+    python benchmarks/tuning.py [--rates 0.2,0.8,0.2] [--phase-s 40 | 40,20,40] [--grid-seqs 4,8,64]
                                 [--grid-chunks 32,64,256] [--slo-ttft-ms MS --slo-itl-ms MS] [--quick]
                                 [--repeats R] [--out benchmarks/results/tuning.json]   # ~23 minutes x R here
 
@@ -51,23 +51,25 @@ ROOT = Path(__file__).resolve().parents[1]
 # the rates for that speed, scaled by REFERENCE_ITL_MS / the measured gap so a busier machine gets less load
 REFERENCE_ITL_MS = 110.0
 # --quick: a smoke test of the whole script in about two minutes (its figures mean little)
-QUICK = dict(phase_s=8.0, window_s=4.0, drain_s=10.0, grid_seqs=[4, 64], grid_chunks=[64, 256], tick_s=1.0,
+QUICK = dict(phase_s=[8.0], window_s=4.0, drain_s=10.0, grid_seqs=[4, 64], grid_chunks=[64, 256], tick_s=1.0,
              tuner_window_s=3.0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 0.8, 0.2],
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    ap.add_argument("--rates", type=floats, default=[0.2, 0.8, 0.2],
                     help="requests/s of each phase, in order, on an idle machine (see --fixed-rates)")
-    ap.add_argument("--phase-s", type=float, default=40.0, help="seconds each phase lasts")
+    ap.add_argument("--phase-s", type=floats, default=[40.0],
+                    help="seconds each phase lasts: one figure for all, or one per phase in order")
     ap.add_argument("--output", type=ints, default=[16, 48], help="output tokens MIN,MAX (uniform, ignore_eos)")
     ap.add_argument("--long-output", type=ints, default=None,
                     help="long prompts' output tokens MIN,MAX (default: --output)")
     ap.add_argument("--long-prompt", type=ints, default=[280, 320], help="long prompts' tokens MIN,MAX")
     ap.add_argument("--short-prompt", type=ints, default=[20, 40], help="short prompts' tokens MIN,MAX")
     ap.add_argument("--long-share", type=float, default=0.5, help="share of the requests with a long prompt")
-    ap.add_argument("--long-shares", type=lambda s: [float(x) for x in s.split(",")], default=None,
+    ap.add_argument("--long-shares", type=floats, default=None,
                     help="the long-prompt share of each phase, in order (default: --long-share throughout)")
     ap.add_argument("--window-s", type=float, default=10.0, help="window of the within-SLO figure")
     ap.add_argument("--grid-seqs", type=ints, default=[4, 8, 64])
@@ -95,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if ap.parse_known_args(argv)[0].quick:  # shorter defaults; flags given explicitly still win
         ap.set_defaults(**QUICK)
     args = ap.parse_args(argv)
+    if len(args.phase_s) not in (1, len(args.rates)):
+        ap.error(f"--phase-s: give one duration, or one per phase ({len(args.rates)} rates), got {len(args.phase_s)}")
     if args.long_shares is not None and len(args.long_shares) != len(args.rates):
         ap.error(f"--long-shares: give one share per phase ({len(args.rates)} rates), got {len(args.long_shares)}")
     if args.repeats < 1:
@@ -131,7 +135,8 @@ def after_convergence(figures: dict, start_s: float | None) -> float | None:
 
 def make_load(args, speed: float = 1.0) -> StepLoad:
     shares = args.long_shares or [None] * len(args.rates)
-    return StepLoad(tuple(Phase(round(r * speed, 3), args.phase_s, share) for r, share in zip(args.rates, shares)),
+    durations = args.phase_s * len(args.rates) if len(args.phase_s) == 1 else args.phase_s
+    return StepLoad(tuple(Phase(round(r * speed, 3), d, share) for r, d, share in zip(args.rates, durations, shares)),
                     long_prompt=tuple(args.long_prompt), short_prompt=tuple(args.short_prompt),
                     long_share=args.long_share, output=tuple(args.output),
                     long_output=tuple(args.long_output) if args.long_output else None, seed=args.seed)
@@ -175,7 +180,7 @@ def run_all(args) -> dict:
         policy = make_policy(args, slo)
         print(f"unloaded at the default knobs: long-prompt TTFT {cal['long_ttft_ms']:.0f} ms, median ITL "
               f"{cal['itl_median_ms']:.0f} ms; SLO p99 TTFT {slo['ttft']:g} ms, p99 ITL {slo['itl']:g} ms; rates x "
-              f"{speed:.2f} -> {[p.rate for p in load.phases]} req/s, {args.phase_s:g} s each, {len(load.schedule())} "
+              f"{speed:.2f} -> {[p.rate for p in load.phases]} req/s for {[p.duration_s for p in load.phases]} s, {len(load.schedule())} "
               f"requests; server {server.url}, {args.threads} threads", flush=True)
         configs = [(s, c) for s in args.grid_seqs for c in args.grid_chunks]
         rounds = [play_round(server, load, policy, configs, args, slo, i) for i in range(args.repeats)]

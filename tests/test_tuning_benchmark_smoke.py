@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.tuning import main, round_ms
+from benchmarks.tuning import main, make_load, parse_args, round_ms
 from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
 from benchmarks.tuning_report import (attainable, best_static, fold_repeats, median_or_none, noise_check,
                                       phase_spans, verdict)
@@ -42,6 +42,18 @@ def test_each_phase_may_set_its_own_mix_of_long_prompts():
     shares = [[s.kind == "long" for t, s in load.schedule() if lo <= t < lo + 100] for lo in (0, 100, 200)]
     assert [round(sum(k) / len(k), 1) for k in shares] == [0.1, 0.9, 0.5]
     assert [p["long_share"] for p in load.describe()["phases"]] == [0.1, 0.9, 0.5]
+
+
+@pytest.mark.parametrize("phase_s, want", [("30", [30.0] * 3), ("30,10,30", [30.0, 10.0, 30.0])])
+def test_each_phase_may_last_its_own_time(phase_s, want):
+    load = make_load(parse_args(["--rates", "0.2,0.8,0.2", "--phase-s", phase_s]))
+    assert [p.duration_s for p in load.phases] == want and load.duration_s == sum(want)
+
+
+def test_phase_durations_must_match_the_phases(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--rates", "0.2,0.8,0.2", "--phase-s", "30,10"])
+    assert "--phase-s: give one duration, or one per phase (3 rates), got 2" in capsys.readouterr().err
 
 
 def test_long_prompts_may_have_outputs_of_their_own():
