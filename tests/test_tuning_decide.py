@@ -185,6 +185,17 @@ def test_a_jump_that_fails_is_undone_whole_and_then_one_step_is_tried():
     assert d[-1].tuned.reason == "NoBetterSetting"
 
 
+def test_a_backlog_counts_against_ttft_before_its_first_tokens_do():
+    """Documents come faster than a small chunk lets them through: 12 wait while 4 finish a second, so
+    the newest will wait 3 s at least, though the first tokens so far came in 500 ms."""
+    building = dataclasses.replace(window(ttft=500, itl=40, waiting=12, running=3), request_rate=4)
+    d = run([building], state=TunerState(START.replace(prefill_chunk_size=64)))
+    assert actions(d) == [RAISE_CHUNK] and chunks(d) == [256]
+    assert "backlog that takes 3000 ms to drain" in d[0].reason
+    # a few requests waiting for the next step are no backlog: 3 drain in 600 ms at 5 a second
+    assert actions(run([GOOD_BUSY])) == [RAISE_SEQS]
+
+
 def test_both_over_at_the_lower_bounds_is_bounds_reached():
     d = run([window(ttft=3000, itl=400)] * 2, state=TunerState(START.replace(max_num_seqs=2, prefill_chunk_size=32)))
     assert actions(d) == [HOLD, HOLD]

@@ -1,6 +1,7 @@
 """The tuner's decision, a pure function: `decide(state, observation, policy, now) -> Decision`.
 
-Rules, in order (docs/tuning.md explains each and why):
+TTFT is read as the larger of its p99 and the time the backlog takes to drain: a queue shows there a
+window before its first tokens do. Rules, in order (docs/tuning.md explains each and why):
 1. knobs outside the bounds are brought inside at once;
 2. a window with too few samples decides nothing; during the cooldown after a change nothing changes
    unless pods preempt or fail;
@@ -209,14 +210,19 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
 
 
 def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
-    ttft = (obs.ttft_p99_s or 0.0) * 1000 / policy.ttft_p99_ms
+    # a backlog reaches the TTFT histogram only as its requests get their first token, a window or more
+    # late; the time the queue takes to drain (Little's law: requests waiting / requests finishing per
+    # second) is what the newest of them will wait at least, and it shows while the backlog builds
+    backlog_s = obs.queued / obs.request_rate if obs.request_rate > 0 else 0.0
+    ttft = max(obs.ttft_p99_s or 0.0, backlog_s) * 1000 / policy.ttft_p99_ms
     itl = (obs.itl_p99_s or 0.0) * 1000 / policy.itl_p99_ms
     trouble = None
     if obs.preemption_rate > policy.max_preemption_rate:
         trouble = f"{obs.preemption_rate:.2f} preemptions/s with KV usage at {obs.kv_usage:.0%}"
     elif obs.error_rate > policy.max_error_rate:
         trouble = f"{obs.error_rate:.2f} errors/s (failed engine steps and 5xx answers)"
-    text = (f"p99 TTFT {_ms(obs.ttft_p99_s)} (SLO {policy.ttft_p99_ms:g} ms), p99 ITL {_ms(obs.itl_p99_s)} "
+    drain = f" with a backlog that takes {backlog_s * 1000:.0f} ms to drain" if backlog_s > (obs.ttft_p99_s or 0) else ""
+    text = (f"p99 TTFT {_ms(obs.ttft_p99_s)}{drain} (SLO {policy.ttft_p99_ms:g} ms), p99 ITL {_ms(obs.itl_p99_s)} "
             f"(SLO {policy.itl_p99_ms:g} ms), KV {obs.kv_usage:.0%}, {obs.queued:.1f} waiting, "
             f"{obs.num_samples} samples")
     return _Reading(ttft, itl, max(ttft, itl), trouble, text, obs.request_rate, obs.prompt_token_rate,
