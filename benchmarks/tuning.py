@@ -180,8 +180,8 @@ def run_all(args) -> dict:
         policy = make_policy(args, slo)
         print(f"unloaded at the default knobs: long-prompt TTFT {cal['long_ttft_ms']:.0f} ms, median ITL "
               f"{cal['itl_median_ms']:.0f} ms; SLO p99 TTFT {slo['ttft']:g} ms, p99 ITL {slo['itl']:g} ms; rates x "
-              f"{speed:.2f} -> {[p.rate for p in load.phases]} req/s for {[p.duration_s for p in load.phases]} s, {len(load.schedule())} "
-              f"requests; server {server.url}, {args.threads} threads", flush=True)
+              f"{speed:.2f} -> {[p.rate for p in load.phases]} req/s for {[p.duration_s for p in load.phases]} s, "
+              f"{len(load.schedule())} requests; server {server.url}, {args.threads} threads", flush=True)
         configs = [(s, c) for s in args.grid_seqs for c in args.grid_chunks]
         rounds = [play_round(server, load, policy, configs, args, slo, i) for i in range(args.repeats)]
     finally:

@@ -16,7 +16,8 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
 5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe) is diagnosed:
    ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
    ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size (two
-   steps at once when one would not bring TTFT under the headroom); both over as TTFT turns severe and the farther over adds capacity the same way first (a queue compounds);
+   steps at once when one would not bring TTFT under the headroom); both over as TTFT turns severe and the
+   farther over adds capacity the same way first (a queue compounds);
    otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
 6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
    holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
@@ -221,7 +222,9 @@ def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
         trouble = f"{obs.preemption_rate:.2f} preemptions/s with KV usage at {obs.kv_usage:.0%}"
     elif obs.error_rate > policy.max_error_rate:
         trouble = f"{obs.error_rate:.2f} errors/s (failed engine steps and 5xx answers)"
-    drain = f" with a backlog that takes {backlog_s * 1000:.0f} ms to drain" if backlog_s > (obs.ttft_p99_s or 0) else ""
+    drain = ""
+    if backlog_s > (obs.ttft_p99_s or 0.0):
+        drain = f" with a backlog that takes {backlog_s * 1000:.0f} ms to drain"
     text = (f"p99 TTFT {_ms(obs.ttft_p99_s)}{drain} (SLO {policy.ttft_p99_ms:g} ms), p99 ITL {_ms(obs.itl_p99_s)} "
             f"(SLO {policy.itl_p99_ms:g} ms), KV {obs.kv_usage:.0%}, {obs.queued:.1f} waiting, "
             f"{obs.num_samples} samples")
