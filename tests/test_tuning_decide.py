@@ -196,6 +196,38 @@ def test_a_backlog_counts_against_ttft_before_its_first_tokens_do():
     assert actions(run([GOOD_BUSY])) == [RAISE_SEQS]
 
 
+def no_decodes(ttft):
+    """A window of documents with one-token answers: first tokens only, no inter-token gap at all."""
+    return dataclasses.replace(window(ttft=ttft), itl_p99_s=None)
+
+
+@pytest.mark.parametrize("name, obs, want_action", [
+    ("documents, TTFT past half the headroom line: a step up", no_decodes(450), RAISE_CHUNK),
+    ("... also inside the hysteresis band", no_decodes(900), RAISE_CHUNK),
+    ("decodes with room even at twice their gap", window(ttft=600, itl=40), RAISE_CHUNK),
+    ("TTFT far from its SLO: nothing worth the decodes' risk", no_decodes(350), HOLD),
+    ("decodes that would reach the headroom at twice their gap", window(ttft=600, itl=50), HOLD),
+    ("ITL the nearer to its SLO", window(ttft=450, itl=70), HOLD),
+])
+def test_with_the_slo_met_the_chunk_goes_up_when_prefill_is_the_work_near_its_slo(name, obs, want_action):
+    d = run([obs])
+    assert actions(d) == [want_action], d[0].reason
+    assert chunks(d) == [256 if want_action == RAISE_CHUNK else 128]
+    assert d[0].tuned.status == "True"
+
+
+def test_the_chunk_climbs_to_its_bound_then_holds_and_comes_down_when_decodes_stall():
+    d = run([no_decodes(600)] * 3 + [ITL_OVER] * 3)
+    assert actions(d) == [RAISE_CHUNK, RAISE_CHUNK, HOLD, HOLD, LOWER_CHUNK, LOWER_CHUNK]
+    assert chunks(d) == [256, 512, 512, 512, 256, 128]
+
+
+def test_a_chunk_raised_on_headroom_that_breaks_the_slo_is_rolled_back_and_not_retried():
+    d = run([no_decodes(600), no_decodes(1300), no_decodes(600), no_decodes(600)])
+    assert actions(d) == [RAISE_CHUNK, ROLLBACK, HOLD, HOLD]
+    assert chunks(d) == [256, 128, 128, 128]
+
+
 def test_both_over_at_the_lower_bounds_is_bounds_reached():
     d = run([window(ttft=3000, itl=400)] * 2, state=TunerState(START.replace(max_num_seqs=2, prefill_chunk_size=32)))
     assert actions(d) == [HOLD, HOLD]

@@ -19,8 +19,11 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    steps at once when one would not bring TTFT under the headroom); both over as TTFT turns severe and the
    farther over adds capacity the same way first (a queue compounds);
    otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
-6. with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
-   holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
+6. with the SLO met, TTFT past half the headroom line and ITL so low it would stay under the headroom
+   even if it grew as much as the chunk (or no ITL at all), prefill_chunk_size goes up one step: prefill
+   is the work near its SLO and no decode pays for it; else with both p99s under (1 - headroom) x SLO, KV
+   usage under the pressure threshold and the batch cap holding requests back, max_num_seqs goes up one
+   step; between headroom and SLO nothing moves.
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
 setting it left is not approached again before `retry_after_s`), and a move that undoes the previous one
 marks the setting it leaves as failed, so two moves that each help one p99 cannot take turns forever.
@@ -189,6 +192,11 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
         return _correct(s, policy, now, r, moves, "SLO breached")
 
     met = Condition("True", "SLOMet", f"{r.text} at {state.knobs.describe()}")
+    if (chunk := _prefill_headroom_chunk(state.knobs, r, policy)) is not None \
+            and s.blocked_until(chunk, now, r.mix, policy.mix_factor) is None:
+        return _move(s, policy, now, RAISE_CHUNK, chunk,
+                     f"SLO met; TTFT is the nearer to its SLO and ITL would stay under the headroom even if it "
+                     f"grew as much as the chunk: {r.text}", r, met, aim=None)
     target = state.knobs.replace(max_num_seqs=min(policy.max_num_seqs_bounds.max,
                                                   state.knobs.max_num_seqs + policy.seqs_step))
     room = 1 - policy.headroom
@@ -336,6 +344,21 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
         # the breach outlasts a window, an overload is the likelier cause and the back-off below applies
         return ([more, *larger] if capped else larger) + overload
     return overload
+
+
+def _prefill_headroom_chunk(k: Knobs, r: _Reading, policy: TuningPolicy) -> Knobs | None:
+    """One chunk step up while the SLO is met, when prefill is the work that comes near its SLO (TTFT past
+    half the headroom line) and decodes have room to spare: ITL would stay under the headroom even if it
+    grew as much as the chunk (a step's prefill part grows at most that much; no ITL samples at all is a
+    phase with nothing to decode). A queue of long prompts is met before it breaches TTFT: in session 10's
+    run L a phase of documents sat at chunk 128 for 50 s with p99 TTFT at 0.4-0.75 of its SLO and no
+    decodes, until a burst tipped it over. None when the rule does not apply or the chunk is at its bound."""
+    room = 1 - policy.headroom
+    if r.ttft < room / 2 or r.itl * policy.chunk_factor > room:
+        return None
+    larger = k.replace(prefill_chunk_size=_chunk_bounds(k, policy).clamp(
+        math.ceil(k.prefill_chunk_size * policy.chunk_factor)))
+    return None if larger == k else larger
 
 
 def _chunk_steps(ttft: float, policy: TuningPolicy) -> int:
