@@ -19,9 +19,8 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    steps at once when one would not bring TTFT under the headroom); both over as TTFT turns severe and the
    farther over adds capacity the same way first (a queue compounds);
    otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
-6. with the SLO met, TTFT past half the headroom line and ITL so low it would stay under the headroom
-   even if it grew as much as the chunk (or no ITL at all), prefill_chunk_size goes up one step: prefill
-   is the work near its SLO and no decode pays for it; else with both p99s under (1 - headroom) x SLO, KV
+6. with the SLO met, TTFT past half the headroom line and nothing decoding (no ITL in the window),
+   prefill_chunk_size goes up one step: prefill is the work near its SLO and no decode pays for it; else with both p99s under (1 - headroom) x SLO, KV
    usage under the pressure threshold and the batch cap holding requests back, max_num_seqs goes up one
    step; between headroom and SLO nothing moves.
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
@@ -195,8 +194,8 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
     if (chunk := _prefill_headroom_chunk(state.knobs, r, policy)) is not None \
             and s.blocked_until(chunk, now, r.mix, policy.mix_factor) is None:
         return _move(s, policy, now, RAISE_CHUNK, chunk,
-                     f"SLO met; TTFT is the nearer to its SLO and ITL would stay under the headroom even if it "
-                     f"grew as much as the chunk: {r.text}", r, met, aim=None)
+                     f"SLO met, TTFT past half the headroom line and nothing decoding: prefill is the work, "
+                     f"and a larger chunk costs no decode: {r.text}", r, met, aim=None)
     target = state.knobs.replace(max_num_seqs=min(policy.max_num_seqs_bounds.max,
                                                   state.knobs.max_num_seqs + policy.seqs_step))
     room = 1 - policy.headroom
@@ -348,13 +347,14 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
 
 def _prefill_headroom_chunk(k: Knobs, r: _Reading, policy: TuningPolicy) -> Knobs | None:
     """One chunk step up while the SLO is met, when prefill is the work that comes near its SLO (TTFT past
-    half the headroom line) and decodes have room to spare: ITL would stay under the headroom even if it
-    grew as much as the chunk (a step's prefill part grows at most that much; no ITL samples at all is a
-    phase with nothing to decode). A queue of long prompts is met before it breaches TTFT: in session 10's
-    run L a phase of documents sat at chunk 128 for 50 s with p99 TTFT at 0.4-0.75 of its SLO and no
-    decodes, until a burst tipped it over. None when the rule does not apply or the chunk is at its bound."""
-    room = 1 - policy.headroom
-    if r.ttft < room / 2 or r.itl * policy.chunk_factor > room:
+    half the headroom line) and nothing decodes (no inter-token gap in the window: a phase of documents
+    with one-token answers), so no decode pays for it. A queue of long prompts is met before it breaches
+    TTFT: in session 10's run L a phase of documents sat at chunk 128 for 50 s with p99 TTFT at 0.4-0.75
+    of its SLO and no decodes, until a burst tipped it over. A window of chats with a low ITL is not
+    enough: whether prefill chunks met decodes in it is chance, and in session 11's run M a raise on ITL at
+    0.36 of its SLO broke it (0.36 -> 1.38) in the next window. None when the rule does not apply or the
+    chunk is at its bound."""
+    if r.ttft < (1 - policy.headroom) / 2 or r.itl > 0:
         return None
     larger = k.replace(prefill_chunk_size=_chunk_bounds(k, policy).clamp(
         math.ceil(k.prefill_chunk_size * policy.chunk_factor)))
