@@ -222,6 +222,13 @@ def test_the_chunk_climbs_to_its_bound_then_holds_and_comes_down_when_decodes_st
     assert chunks(d) == [256, 512, 512, 512, 256, 128]
 
 
+def test_a_mild_ttft_breach_with_nothing_decoding_is_acted_on_at_once():
+    """With nothing to decode a larger chunk costs no decode: waiting a window to confirm the breach
+    would only let the queue grow (session 11's run N waited 4 s that way at a phase of documents)."""
+    assert actions(run([no_decodes(1200)])) == [RAISE_CHUNK]
+    assert actions(run([window(ttft=1200, itl=40)])) == [HOLD]  # chats decoding: the breach is confirmed first
+
+
 def test_a_chunk_raised_on_headroom_that_breaks_the_slo_is_rolled_back_and_not_retried():
     d = run([no_decodes(600), no_decodes(1300), no_decodes(600), no_decodes(600)])
     assert actions(d) == [RAISE_CHUNK, ROLLBACK, HOLD, HOLD]

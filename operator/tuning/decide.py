@@ -13,7 +13,8 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    `retry_after_s`, doubling each time the same knob fails the same way again;
 4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
    that actually ran, when fewer ran than the cap);
-5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe) is diagnosed:
+5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe, or TTFT over
+   with nothing decoding) is diagnosed:
    ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
    ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size (two
    steps at once when one would not bring TTFT under the headroom); both over as TTFT turns severe and the
@@ -178,7 +179,10 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
     if not r.met:
         # a mild breach must last confirm_breaches windows before it is acted on, each p99 on its own: one
         # noisy window of ITL while TTFT is over does not turn a TTFT cure into an ITL one
-        ttft_bad = r.ttft > 1 and (s.num_ttft_breaches >= policy.confirm_breaches or r.ttft >= policy.severe_ratio)
+        # ... unless nothing decodes: the cure for TTFT then costs no decode, as with rule 6's raise, and a
+        # wrong one is judged and undone in the next window
+        ttft_bad = r.ttft > 1 and (s.num_ttft_breaches >= policy.confirm_breaches or r.ttft >= policy.severe_ratio
+                                   or r.itl == 0)
         itl_bad = r.itl > 1 and (s.num_itl_breaches >= policy.confirm_breaches or r.itl >= policy.severe_ratio)
         if not (ttft_bad or itl_bad):
             n = max(s.num_ttft_breaches, s.num_itl_breaches)
