@@ -13,8 +13,8 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    `retry_after_s`, doubling each time the same knob fails the same way again;
 4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
    that actually ran, when fewer ran than the cap);
-5. a breach (confirmed over `confirm_breaches` windows that do not overlap, unless severe, or TTFT over
-   with nothing decoding) is diagnosed:
+5. a breach (confirmed over `confirm_breaches` windows that do not overlap, with at most a window between
+   two of them, unless severe, or TTFT over with nothing decoding) is diagnosed:
    ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
    ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size (two
    steps at once when one would not bring TTFT under the headroom); both over as TTFT turns severe and the
@@ -25,8 +25,9 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    usage under the pressure threshold and the batch cap holding requests back, max_num_seqs goes up one
    step; between headroom and SLO nothing moves.
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
-setting it left is not approached again before `retry_after_s`), and a move that undoes the previous one
-marks the setting it leaves as failed, so two moves that each help one p99 cannot take turns forever.
+setting it left is not approached again before `retry_after_s`), and a move back to a setting one of the
+last three changes left marks the setting it leaves as failed, so moves that each help one p99 cannot take
+turns forever.
 `Tuned` is True while the SLO is met (a mild breach not yet confirmed leaves it True), False with
 `SLOBreached` while correcting, `BoundsReached` when the correction needed lies outside the bounds,
 `NoBetterSetting` when every correction left was tried and made things worse (that verdict stands
@@ -89,11 +90,12 @@ class TunerState:
     knobs: Knobs  # in force on the pods
     last_good: Knobs | None = None  # rollback point: the last setting that met the SLO without trouble
     last_change_time: float | None = None
-    previous_knobs: Knobs | None = None  # before the last change, and the move that left them
+    # the settings the last few changes left (oldest first), and the move that made the latest change
+    recent_knobs: tuple[Knobs, ...] = ()
     previous_action: str | None = None
     pending: PendingChange | None = None
     failed: tuple[FailedSetting, ...] = ()
-    # windows in a row in which p99 TTFT (ITL) was over its SLO, counting only windows that do not overlap
+    # recent windows in which p99 TTFT (ITL) was over its SLO, counting only windows that do not overlap
     # the last one counted, and the end of that one
     num_ttft_breaches: int = 0
     num_itl_breaches: int = 0
@@ -189,7 +191,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
             # the verdict has the action's hysteresis: a met SLO stays met until the breach is confirmed,
             # so one noisy window does not flip the condition (nor a quiet spell after it freeze it False)
             tuned = state.tuned if state.tuned.status == "True" else _breached(r, state.tuned)
-            return _stay(s, now, f"SLO breached in {n} separate window(s) in a row, {policy.confirm_breaches} "
+            return _stay(s, now, f"SLO breached in {n} separate recent window(s), {policy.confirm_breaches} "
                                  f"needed to act; {r.text}", False, tuned)
         moves = _corrections(state.knobs, obs, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
         return _correct(s, policy, now, r, moves, "SLO breached")
@@ -245,12 +247,19 @@ def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
 
 def _count_breach(num: int, last_end: float | None, over: bool, obs: Observation,
                   policy: TuningPolicy) -> tuple[int, float | None]:
-    """The breaches in a row of one p99 after this window: (count, end of the last window counted). A
+    """The recent breaches of one p99 after this window: (count, end of the last window counted). A
     window that overlaps the last one counted adds nothing: with ticks closer than a window (the default
     ticks every 30 s over 60 s windows) two windows share samples, and one stall in the shared part would
-    confirm itself. Half an interval of slack absorbs the ticks' jitter."""
+    confirm itself. Half an interval of slack absorbs the ticks' jitter. The count lapses only once a
+    window that starts more than a window after the last one counted meets the SLO: one clean window
+    between two breaches does not clear them. A p99 over a short window swings with whether a long
+    prompt's prefill fell in it; in session 11's run N chats at chunk 256 breached ITL in about every
+    other window for 100 s (the clean ones at 100-130 ms against 350), and a count that each clean window
+    reset never reached two."""
+    if last_end is not None and obs.start - last_end > policy.window_s:
+        num, last_end = 0, None
     if not over:
-        return 0, None
+        return num, last_end
     if last_end is None or obs.start >= last_end - policy.interval_s / 2:
         return num + 1, obs.end
     return num, last_end
@@ -280,6 +289,8 @@ def _back_off_seqs(k: Knobs, obs: Observation, policy: TuningPolicy) -> tuple[st
     lower = policy.max_num_seqs_bounds.clamp(math.floor(min(k.max_num_seqs, ran) * policy.backoff_factor))
     return BACK_OFF_SEQS, k.replace(max_num_seqs=lower)  # never above k: rule 1 keeps k within the bounds
 
+
+RECENT_MOVES = 3  # how many settings back a move counts as returning (see _remember_move)
 
 AIMS = {RAISE_SEQS: "ttft", RAISE_CHUNK: "ttft", LOWER_CHUNK: "itl", BACK_OFF_SEQS: "itl"}
 
@@ -402,11 +413,13 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves
 def _remember_move(s: TunerState, action: str, target: Knobs, now: float, policy: TuningPolicy,
                    mix: float | None) -> tuple[FailedSetting, ...]:
     """What a move teaches before it is judged. The setting a back-off leaves is a ceiling for the raises
-    that follow. A move back to the setting before the last move says that move did not pay: without this,
-    two moves that each help one p99 (a larger chunk for TTFT, a smaller one for ITL) would take turns."""
+    that follow. A move back to a setting one of the last RECENT_MOVES changes left says the moves since
+    did not pay: without this, two moves that each help one p99 (a larger chunk for TTFT, a smaller one
+    for ITL) would take turns, and so would three (the chunk 64 -> 32 -> 16 -> 64 -> ... in the
+    simulation's impossible load, two steps down to make ITL room and a two-step jump back for TTFT)."""
     if action == BACK_OFF_SEQS:
         return _mark_failed(s.failed, s.knobs, now, policy, RAISE_SEQS, mix)
-    if target == s.previous_knobs and s.previous_action is not None:
+    if target in s.recent_knobs and s.previous_action is not None:
         return _mark_failed(s.failed, s.knobs, now, policy, s.previous_action, mix)
     return s.failed
 
@@ -448,5 +461,5 @@ def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: 
         pending = PendingChange(s.knobs, action, r.met and r.trouble is None, r.trouble is not None, aim, r.ttft,
                                 r.itl, r.obs_request_rate, r.obs_prompt_token_rate)
     nxt = dataclasses.replace(s, knobs=target, last_change_time=now, pending=pending, tuned=tuned,
-                              previous_knobs=s.knobs, previous_action=action)
+                              recent_knobs=(*s.recent_knobs, s.knobs)[-RECENT_MOVES:], previous_action=action)
     return Decision(action, reason, now, target, True, met, tuned, nxt)

@@ -74,7 +74,9 @@ class TuningPolicy:
     seqs_step: int = 2  # additive increase of max_num_seqs
     backoff_factor: float = 0.5  # multiplicative decrease of max_num_seqs
     chunk_factor: float = 2.0  # prefill_chunk_size is multiplied or divided by this
-    confirm_breaches: int = 2  # windows in a row, none overlapping the last counted, a mild breach must last
+    # windows, none overlapping the last counted and at most a window apart, that must breach before a mild
+    # breach is acted on
+    confirm_breaches: int = 2
     severe_ratio: float = 1.5  # a p99 this far over its SLO is acted on at once
     worse_tolerance: float = 0.1  # a correction is "worse" if the p99/SLO ratio it aimed at grows by more
     retry_after_s: float = 600.0  # a setting that made things worse waits this long (doubling) to be retried
