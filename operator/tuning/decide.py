@@ -21,9 +21,9 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    farther over adds capacity the same way first (a queue compounds);
    otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
 6. with the SLO met, TTFT past half the headroom line and nothing decoding (no ITL in the window),
-   prefill_chunk_size goes up one step: prefill is the work near its SLO and no decode pays for it; else with both p99s under (1 - headroom) x SLO, KV
-   usage under the pressure threshold and the batch cap holding requests back, max_num_seqs goes up one
-   step; between headroom and SLO nothing moves.
+   prefill_chunk_size goes up one step: prefill is the work near its SLO and no decode pays for it; else
+   with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
+   holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
 setting it left is not approached again before `retry_after_s`), and a move back to a setting one of the
 last three changes left marks the setting it leaves as failed, so moves that each help one p99 cannot take
@@ -138,6 +138,12 @@ class _Reading:
     def met(self) -> bool:
         return self.score <= 1
 
+    @property
+    def nothing_decodes(self) -> bool:
+        """No inter-token gap in the window (documents with one-token answers): no decode pays for a
+        larger chunk."""
+        return self.itl == 0
+
 
 def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float) -> Decision:
     if policy.mode == "off":
@@ -184,7 +190,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
         # ... unless nothing decodes: the cure for TTFT then costs no decode, as with rule 6's raise, and a
         # wrong one is judged and undone in the next window
         ttft_bad = r.ttft > 1 and (s.num_ttft_breaches >= policy.confirm_breaches or r.ttft >= policy.severe_ratio
-                                   or r.itl == 0)
+                                   or r.nothing_decodes)
         itl_bad = r.itl > 1 and (s.num_itl_breaches >= policy.confirm_breaches or r.itl >= policy.severe_ratio)
         if not (ttft_bad or itl_bad):
             n = max(s.num_ttft_breaches, s.num_itl_breaches)
@@ -369,7 +375,7 @@ def _prefill_headroom_chunk(k: Knobs, r: _Reading, policy: TuningPolicy) -> Knob
     enough: whether prefill chunks met decodes in it is chance, and in session 11's run M a raise on ITL at
     0.36 of its SLO broke it (0.36 -> 1.38) in the next window. None when the rule does not apply or the
     chunk is at its bound."""
-    if r.ttft < (1 - policy.headroom) / 2 or r.itl > 0:
+    if r.ttft < (1 - policy.headroom) / 2 or not r.nothing_decodes:
         return None
     larger = k.replace(prefill_chunk_size=_chunk_bounds(k, policy).clamp(
         math.ceil(k.prefill_chunk_size * policy.chunk_factor)))
