@@ -47,6 +47,7 @@ from iterserve.operator.tuning.failures import FailedSetting, remember_failure
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import KnobBounds, TuningPolicy
+from iterserve.operator.tuning.reading import Reading, count_breach, read
 
 HOLD = "hold"
 CLAMP = "clamp_to_bounds"
@@ -121,30 +122,6 @@ class Decision:
     state: TunerState  # the state after this decision
 
 
-@dataclass(frozen=True)
-class _Reading:
-    """An observation measured against the policy."""
-
-    ttft: float  # p99 / SLO (0 when there was nothing to measure)
-    itl: float
-    score: float  # the worse of the two
-    trouble: str | None  # preemptions or failed steps, described
-    text: str  # the figures, for reasons
-    obs_request_rate: float
-    obs_prompt_token_rate: float
-    mix: float | None  # prompt tokens per finished request: what a failure is remembered with
-
-    @property
-    def met(self) -> bool:
-        return self.score <= 1
-
-    @property
-    def nothing_decodes(self) -> bool:
-        """No inter-token gap in the window (documents with one-token answers): no decode pays for a
-        larger chunk."""
-        return self.itl == 0
-
-
 def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float) -> Decision:
     if policy.mode == "off":
         return _stay(state, now, "tuning is off", None, state.tuned)
@@ -157,7 +134,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
         why = f"too few samples ({n} first tokens in the window, {policy.min_samples} needed)"
         return _stay(state, now, why + (f"; {'; '.join(obs.errors)}" if obs and obs.errors else ""), None,
                      state.tuned)
-    r = _read(obs, policy)
+    r = read(obs, policy)
     cooling = state.last_change_time is not None and now - state.last_change_time < policy.cooldown
     if cooling and r.trouble is None:
         left = policy.cooldown - (now - state.last_change_time)
@@ -165,8 +142,8 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
                      state.tuned)
 
     healthy = r.met and r.trouble is None
-    num_ttft, ttft_end = _count_breach(state.num_ttft_breaches, state.ttft_breach_end, r.ttft > 1, obs, policy)
-    num_itl, itl_end = _count_breach(state.num_itl_breaches, state.itl_breach_end, r.itl > 1, obs, policy)
+    num_ttft, ttft_end = count_breach(state.num_ttft_breaches, state.ttft_breach_end, r.ttft > 1, obs, policy)
+    num_itl, itl_end = count_breach(state.num_itl_breaches, state.itl_breach_end, r.itl > 1, obs, policy)
     s = dataclasses.replace(state, pending=None, last_good=state.knobs if healthy else state.last_good,
                             num_ttft_breaches=num_ttft, ttft_breach_end=ttft_end,
                             num_itl_breaches=num_itl, itl_breach_end=itl_end)
@@ -229,52 +206,6 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
     return _stay(s, now, f"{why}; {r.text}", True, met)
 
 
-def _read(obs: Observation, policy: TuningPolicy) -> _Reading:
-    # a backlog reaches the TTFT histogram only as its requests get their first token, a window or more
-    # late; the time the queue takes to drain (Little's law: requests waiting / requests finishing per
-    # second) is what the newest of them will wait at least, and it shows while the backlog builds
-    backlog_s = obs.queued / obs.request_rate if obs.request_rate > 0 else 0.0
-    ttft = max(obs.ttft_p99_s or 0.0, backlog_s) * 1000 / policy.ttft_p99_ms
-    itl = (obs.itl_p99_s or 0.0) * 1000 / policy.itl_p99_ms
-    trouble = None
-    if obs.preemption_rate > policy.max_preemption_rate:
-        trouble = f"{obs.preemption_rate:.2f} preemptions/s with KV usage at {obs.kv_usage:.0%}"
-    elif obs.error_rate > policy.max_error_rate:
-        trouble = f"{obs.error_rate:.2f} errors/s (failed engine steps and 5xx answers)"
-    drain = ""
-    if backlog_s > (obs.ttft_p99_s or 0.0):
-        drain = f" with a backlog that takes {backlog_s * 1000:.0f} ms to drain"
-    text = (f"p99 TTFT {_ms(obs.ttft_p99_s)}{drain} (SLO {policy.ttft_p99_ms:g} ms), p99 ITL {_ms(obs.itl_p99_s)} "
-            f"(SLO {policy.itl_p99_ms:g} ms), KV {obs.kv_usage:.0%}, {obs.queued:.1f} waiting, "
-            f"{obs.num_samples} samples")
-    return _Reading(ttft, itl, max(ttft, itl), trouble, text, obs.request_rate, obs.prompt_token_rate,
-                    obs.prompt_tokens_per_request)
-
-
-def _count_breach(num: int, last_end: float | None, over: bool, obs: Observation,
-                  policy: TuningPolicy) -> tuple[int, float | None]:
-    """The recent breaches of one p99 after this window: (count, end of the last window counted). A
-    window that overlaps the last one counted adds nothing: with ticks closer than a window (the default
-    ticks every 30 s over 60 s windows) two windows share samples, and one stall in the shared part would
-    confirm itself. Half an interval of slack absorbs the ticks' jitter. The count lapses only once a
-    window that starts more than a window after the last one counted meets the SLO: one clean window
-    between two breaches does not clear them. A p99 over a short window swings with whether a long
-    prompt's prefill fell in it; in session 11's run N chats at chunk 256 breached ITL in about every
-    other window for 100 s (the clean ones at 100-130 ms against 350), and a count that each clean window
-    reset never reached two."""
-    if last_end is not None and obs.start - last_end > policy.window_s:
-        num, last_end = 0, None
-    if not over:
-        return num, last_end
-    if last_end is None or obs.start >= last_end - policy.interval_s / 2:
-        return num + 1, obs.end
-    return num, last_end
-
-
-def _ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
-
-
 def _chunk_bounds(knobs: Knobs, policy: TuningPolicy) -> KnobBounds:
     """A chunk above the step's token budget computes no more per step, so the budget caps the range."""
     b = policy.prefill_chunk_size_bounds
@@ -301,7 +232,7 @@ RECENT_MOVES = 3  # how many settings back a move counts as returning (see _reme
 AIMS = {RAISE_SEQS: "ttft", RAISE_CHUNK: "ttft", LOWER_CHUNK: "itl", BACK_OFF_SEQS: "itl"}
 
 
-def _judge(p: PendingChange, r: _Reading, obs: Observation, policy: TuningPolicy) -> str | None:
+def _judge(p: PendingChange, r: Reading, obs: Observation, policy: TuningPolicy) -> str | None:
     """Why the change behind `p` made things worse, or None when it did not."""
     tol = 1 + policy.worse_tolerance
     if p.before_healthy:
@@ -331,7 +262,7 @@ def _cap_binds(k: Knobs, obs: Observation, policy: TuningPolicy) -> bool:
     return obs.queued >= policy.min_waiting and full
 
 
-def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, ttft_bad: bool,
+def _corrections(k: Knobs, obs: Observation, r: Reading, policy: TuningPolicy, ttft_bad: bool,
                  itl_bad: bool, new_queue: bool = False) -> list[tuple[str, Knobs]]:
     """The moves that can cure this (confirmed) breach, best first. `new_queue`: TTFT was within its SLO
     until this window (no earlier one that does not overlap it was over)."""
@@ -366,7 +297,7 @@ def _corrections(k: Knobs, obs: Observation, r: _Reading, policy: TuningPolicy, 
     return overload
 
 
-def _prefill_headroom_chunk(k: Knobs, r: _Reading, policy: TuningPolicy) -> Knobs | None:
+def _prefill_headroom_chunk(k: Knobs, r: Reading, policy: TuningPolicy) -> Knobs | None:
     """One chunk step up while the SLO is met, when prefill is the work that comes near its SLO (TTFT past
     half the headroom line) and nothing decodes (no inter-token gap in the window: a phase of documents
     with one-token answers), so no decode pays for it. A queue of long prompts is met before it breaches
@@ -393,7 +324,7 @@ def _chunk_steps(ttft: float, policy: TuningPolicy) -> int:
     return 2 if needed > 1 else 1
 
 
-def _correct(s: TunerState, policy: TuningPolicy, now: float, r: _Reading, moves: list[tuple[str, Knobs]],
+def _correct(s: TunerState, policy: TuningPolicy, now: float, r: Reading, moves: list[tuple[str, Knobs]],
              why: str, aimed: bool = True) -> Decision:
     """Take the first move that changes something and has not failed lately; else say why none can."""
     blocked = []
@@ -430,7 +361,7 @@ def _remember_move(s: TunerState, action: str, target: Knobs, now: float, policy
     return s.failed
 
 
-def _breached(r: _Reading, previous: Condition) -> Condition:
+def _breached(r: Reading, previous: Condition) -> Condition:
     """SLOBreached while correcting; once no setting was found to meet the SLO, that verdict stands through
     the later probes until the SLO is met again, so the condition does not flap with each retry."""
     text = r.trouble + "; " + r.text if r.trouble else r.text
@@ -456,7 +387,7 @@ def _stay(state: TunerState, now: float, reason: str, met: bool | None, tuned: C
 
 
 def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: Knobs, reason: str,
-          r: _Reading | None, tuned: Condition, aim: str | None = None) -> Decision:
+          r: Reading | None, tuned: Condition, aim: str | None = None) -> Decision:
     """A change: applied in auto mode (the next window judges it), only recommended in observe mode."""
     met = None if r is None else r.met
     if policy.mode != "auto":
