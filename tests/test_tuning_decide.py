@@ -239,11 +239,11 @@ def test_a_chunk_raised_on_headroom_that_breaks_the_slo_is_rolled_back_and_not_r
 
 
 def test_a_round_of_three_moves_back_to_where_it_started_marks_the_last_setting_failed():
-    """64 -> 32 -> 16 (ITL room) and a two-step jump back to 64 (TTFT): 16 did not pay, so the next
+    """128 -> 64 -> 32 (ITL room) and a two-step jump back to 128 (TTFT): 32 did not pay, so the next
     round stops above it instead of going round again."""
-    at_16 = TunerState(START.replace(prefill_chunk_size=32), recent_knobs=(START.replace(prefill_chunk_size=128),
+    at_32 = TunerState(START.replace(prefill_chunk_size=32), recent_knobs=(START.replace(prefill_chunk_size=128),
                        START.replace(prefill_chunk_size=64)), previous_action=LOWER_CHUNK)
-    d = run([window(ttft=2500, itl=40)], state=at_16)
+    d = run([window(ttft=2500, itl=40)], state=at_32)
     assert actions(d) == [RAISE_CHUNK] and chunks(d) == [128]
     assert d[0].state.blocked_until(START.replace(prefill_chunk_size=32), 20.0) is not None
     # a move to a setting no recent change left teaches nothing

@@ -56,7 +56,7 @@ def read(obs: Observation, policy: TuningPolicy) -> Reading:
 
 
 def count_breach(num: int, last_end: float | None, over: bool, obs: Observation,
-                  policy: TuningPolicy) -> tuple[int, float | None]:
+                 policy: TuningPolicy) -> tuple[int, float | None]:
     """The recent breaches of one p99 after this window: (count, end of the last window counted). A
     window that overlaps the last one counted adds nothing: with ticks closer than a window (the default
     ticks every 30 s over 60 s windows) two windows share samples, and one stall in the shared part would
