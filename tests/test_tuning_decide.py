@@ -220,9 +220,34 @@ def test_with_the_slo_met_the_chunk_goes_up_when_prefill_is_the_work_near_its_sl
 
 
 def test_the_chunk_climbs_to_its_bound_then_holds_and_comes_down_when_decodes_stall():
+    """Raised while nothing decoded, the chunk goes back at once, in one move, when decodes return over
+    their SLO; should they stay over there, the breach is confirmed and diagnosed as any other."""
     d = run([no_decodes(600)] * 3 + [ITL_OVER] * 3)
-    assert actions(d) == [RAISE_CHUNK, RAISE_CHUNK, HOLD, HOLD, LOWER_CHUNK, LOWER_CHUNK]
-    assert chunks(d) == [256, 512, 512, 512, 256, 128]
+    assert actions(d) == [RAISE_CHUNK, RAISE_CHUNK, HOLD, LOWER_CHUNK, LOWER_CHUNK, LOWER_CHUNK]
+    assert chunks(d) == [256, 512, 512, 128, 64, 32]
+    assert "raised while nothing decoded: back to 128" in d[3].reason
+    assert [x.state.chunk_before_decode_free for x in d] == [128, 128, 128, None, None, None]
+
+
+@pytest.mark.parametrize("name, then, want_action, want_chunk", [
+    ("decodes back over their SLO: back at once", ITL_OVER, LOWER_CHUNK, 128),
+    ("decodes back within their SLO, in the band: nothing", window(ttft=500, itl=90), HOLD, 512),
+    ("still nothing decoding: nothing", no_decodes(300), HOLD, 512),
+])
+def test_a_chunk_raised_while_nothing_decoded_goes_back_when_decodes_return(name, then, want_action, want_chunk):
+    d = run([no_decodes(600), no_decodes(600), no_decodes(300), then])
+    assert actions(d)[-1] == want_action, d[-1].reason
+    assert chunks(d)[-1] == want_chunk
+
+
+def test_only_raises_made_while_nothing_decoded_are_undone_by_decodes():
+    # a TTFT cure made with chats decoding (confirmed over two windows) was made knowing what it costs
+    # them: nothing to undo when they breach, rule 3 judges it
+    d = run([window(ttft=1300, itl=40)] * 2)
+    assert actions(d) == [HOLD, RAISE_CHUNK] and d[-1].state.chunk_before_decode_free is None
+    # a raise rolled back leaves nothing to undo
+    d = run([no_decodes(600), no_decodes(1300)])
+    assert actions(d) == [RAISE_CHUNK, ROLLBACK] and d[-1].state.chunk_before_decode_free is None
 
 
 def test_a_mild_ttft_breach_with_nothing_decoding_is_acted_on_at_once():

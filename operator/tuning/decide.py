@@ -23,7 +23,9 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
 6. with the SLO met, TTFT past half the headroom line and nothing decoding (no ITL in the window),
    prefill_chunk_size goes up one step: prefill is the work near its SLO and no decode pays for it; else
    with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
-   holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves.
+   holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves;
+7. (checked before rule 5) a chunk raised while nothing decoded goes back to where it was as soon as decodes
+   return over their ITL SLO, without a second window to confirm: what justified the raise is gone.
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
 setting it left is not approached again before `retry_after_s`), and a move back to a setting one of the
 last three changes left marks the setting it leaves as failed, so moves that each help one p99 cannot take
@@ -98,6 +100,9 @@ class TunerState:
     failed: tuple[FailedSetting, ...] = ()
     # recent windows in which p99 TTFT (ITL) was over its SLO, counting only windows that do not overlap
     # the last one counted, and the end of that one
+    # the chunk in force before the raises made while nothing decoded (rule 6, or a TTFT cure with no decode
+    # to pay for it), put back as soon as decodes return near their SLO (rule 7); None: no such raise stands
+    chunk_before_decode_free: int | None = None
     num_ttft_breaches: int = 0
     num_itl_breaches: int = 0
     ttft_breach_end: float | None = None
@@ -161,6 +166,12 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
 
     if r.trouble is not None:
         return _correct(s, policy, now, r, [_back_off_seqs(state.knobs, obs, policy)], r.trouble, aimed=False)
+    if (chunk := _decodes_back_chunk(s, r)) is not None \
+            and s.blocked_until(chunk, now, r.mix, policy.mix_factor) is None:
+        return _move(s, policy, now, LOWER_CHUNK, chunk,
+                     f"decodes are back over their ITL SLO, and chunk {state.knobs.prefill_chunk_size} was raised "
+                     f"while nothing decoded: back to {chunk.prefill_chunk_size}: {r.text}", r,
+                     _breached(r, state.tuned), aim="itl")
     if not r.met:
         # a mild breach must last confirm_breaches windows before it is acted on, each p99 on its own: one
         # noisy window of ITL while TTFT is over does not turn a TTFT cure into an ITL one
@@ -313,6 +324,19 @@ def _prefill_headroom_chunk(k: Knobs, r: Reading, policy: TuningPolicy) -> Knobs
     return None if larger == k else larger
 
 
+def _decodes_back_chunk(s: TunerState, r: Reading) -> Knobs | None:
+    """The chunk raised while nothing decoded, put back as soon as decodes return over their ITL SLO,
+    without the second window rule 5 asks to confirm a breach: what justified the raise is gone. A phase
+    of documents leaves the chunk large; the chats after it breach ITL in the windows a document's
+    prefill falls in, and confirming that over separate windows took 26-120 s in session 11's runs N and
+    O (10-15 chats lost each time). None when no such raise stands or the decodes meet their SLO (a move
+    from a met SLO would be rolled back on the next noisy window)."""
+    before = s.chunk_before_decode_free
+    if before is None or r.nothing_decodes or r.itl <= 1 or s.knobs.prefill_chunk_size <= before:
+        return None
+    return s.knobs.replace(prefill_chunk_size=before)
+
+
 def _chunk_steps(ttft: float, policy: TuningPolicy) -> int:
     """Chunk steps up (of chunk_factor each) a p99 TTFT at `ttft` of its SLO calls for: one, or two when one
     would not bring it under the headroom. A prompt's prefill takes prompt / chunk steps, so a queue of long
@@ -382,6 +406,15 @@ def _mark_failed(failed: tuple[FailedSetting, ...], knobs: Knobs, now: float, po
     return remember_failure(failed, FailedSetting(knobs, 0.0, 0, knob, direction, mix), now, policy)
 
 
+def _decode_free_base(s: TunerState, action: str, target: Knobs, r: Reading | None) -> int | None:
+    """What `chunk_before_decode_free` becomes after a move: the chunk before the first of the raises made
+    while nothing decoded, forgotten once any move brings the chunk back to it or below."""
+    before = s.chunk_before_decode_free
+    if action == RAISE_CHUNK and r is not None and r.nothing_decodes:
+        return s.knobs.prefill_chunk_size if before is None else before
+    return None if before is None or target.prefill_chunk_size <= before else before
+
+
 def _stay(state: TunerState, now: float, reason: str, met: bool | None, tuned: Condition) -> Decision:
     return Decision(HOLD, reason, now, None, False, met, tuned, dataclasses.replace(state, tuned=tuned))
 
@@ -398,5 +431,6 @@ def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: 
         pending = PendingChange(s.knobs, action, r.met and r.trouble is None, r.trouble is not None, aim, r.ttft,
                                 r.itl, r.obs_request_rate, r.obs_prompt_token_rate)
     nxt = dataclasses.replace(s, knobs=target, last_change_time=now, pending=pending, tuned=tuned,
-                              recent_knobs=(*s.recent_knobs, s.knobs)[-RECENT_MOVES:], previous_action=action)
+                              recent_knobs=(*s.recent_knobs, s.knobs)[-RECENT_MOVES:], previous_action=action,
+                              chunk_before_decode_free=_decode_free_base(s, action, target, r))
     return Decision(action, reason, now, target, True, met, tuned, nxt)
