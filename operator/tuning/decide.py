@@ -45,10 +45,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from iterserve.operator.tuning.chunk_moves import (
+    chunk_bounds, chunk_steps, decode_free_base, decodes_back, headroom_raise,
+)
 from iterserve.operator.tuning.failures import FailedSetting, remember_failure
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import Observation
-from iterserve.operator.tuning.policy import KnobBounds, TuningPolicy
+from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import Reading, count_breach, read
 
 HOLD = "hold"
@@ -166,7 +169,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
 
     if r.trouble is not None:
         return _correct(s, policy, now, r, [_back_off_seqs(state.knobs, obs, policy)], r.trouble, aimed=False)
-    if (chunk := _decodes_back_chunk(s, r)) is not None \
+    if (chunk := decodes_back(s.knobs, s.chunk_before_decode_free, r)) is not None \
             and s.blocked_until(chunk, now, r.mix, policy.mix_factor) is None:
         return _move(s, policy, now, LOWER_CHUNK, chunk,
                      f"decodes are back over their ITL SLO, and chunk {state.knobs.prefill_chunk_size} was raised "
@@ -191,7 +194,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
         return _correct(s, policy, now, r, moves, "SLO breached")
 
     met = Condition("True", "SLOMet", f"{r.text} at {state.knobs.describe()}")
-    if (chunk := _prefill_headroom_chunk(state.knobs, r, policy)) is not None \
+    if (chunk := headroom_raise(state.knobs, r, policy)) is not None \
             and s.blocked_until(chunk, now, r.mix, policy.mix_factor) is None:
         return _move(s, policy, now, RAISE_CHUNK, chunk,
                      f"SLO met, TTFT past half the headroom line and nothing decoding: prefill is the work, "
@@ -215,12 +218,6 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
                      f"both p99s under {room:.0%} of their SLO, KV usage {obs.kv_usage:.0%} and "
                      f"{obs.queued:.1f} requests waiting: {r.text}", r, met, aim=None)
     return _stay(s, now, f"{why}; {r.text}", True, met)
-
-
-def _chunk_bounds(knobs: Knobs, policy: TuningPolicy) -> KnobBounds:
-    """A chunk above the step's token budget computes no more per step, so the budget caps the range."""
-    b = policy.prefill_chunk_size_bounds
-    return KnobBounds(b.min, max(b.min, min(b.max, knobs.max_num_batched_tokens)))
 
 
 def _clamp(knobs: Knobs, policy: TuningPolicy) -> Knobs:
@@ -278,13 +275,13 @@ def _corrections(k: Knobs, obs: Observation, r: Reading, policy: TuningPolicy, t
     """The moves that can cure this (confirmed) breach, best first. `new_queue`: TTFT was within its SLO
     until this window (no earlier one that does not overlap it was over)."""
     room = 1 - policy.headroom
-    chunks = _chunk_bounds(k, policy)
+    chunks = chunk_bounds(k, policy)
     smaller = (LOWER_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.floor(k.prefill_chunk_size
                                                                                 / policy.chunk_factor))))
-    # TTFT far over while ITL has headroom: the chunk may go up two steps at once (_chunk_steps); should
+    # TTFT far over while ITL has headroom: the chunk may go up two steps at once (chunk_steps); should
     # that jump have failed lately, one step is still worth a try
     jumps = {chunks.clamp(math.ceil(k.prefill_chunk_size * policy.chunk_factor ** n))
-             for n in range(_chunk_steps(r.ttft, policy) if r.itl <= room else 1, 0, -1)}
+             for n in range(chunk_steps(r.ttft, policy) if r.itl <= room else 1, 0, -1)}
     larger = [(RAISE_CHUNK, k.replace(prefill_chunk_size=c)) for c in sorted(jumps, reverse=True)]
     more = (RAISE_SEQS, k.replace(max_num_seqs=policy.max_num_seqs_bounds.clamp(k.max_num_seqs + policy.seqs_step)))
     fewer = _back_off_seqs(k, obs, policy)
@@ -306,46 +303,6 @@ def _corrections(k: Knobs, obs: Observation, r: Reading, policy: TuningPolicy, t
         # the breach outlasts a window, an overload is the likelier cause and the back-off below applies
         return ([more, *larger] if capped else larger) + overload
     return overload
-
-
-def _prefill_headroom_chunk(k: Knobs, r: Reading, policy: TuningPolicy) -> Knobs | None:
-    """One chunk step up while the SLO is met, when prefill is the work that comes near its SLO (TTFT past
-    half the headroom line) and nothing decodes (no inter-token gap in the window: a phase of documents
-    with one-token answers), so no decode pays for it. A queue of long prompts is met before it breaches
-    TTFT: in session 10's run L a phase of documents sat at chunk 128 for 50 s with p99 TTFT at 0.4-0.75
-    of its SLO and no decodes, until a burst tipped it over. A window of chats with a low ITL is not
-    enough: whether prefill chunks met decodes in it is chance, and in session 11's run M a raise on ITL at
-    0.36 of its SLO broke it (0.36 -> 1.38) in the next window. None when the rule does not apply or the
-    chunk is at its bound."""
-    if r.ttft < (1 - policy.headroom) / 2 or not r.nothing_decodes:
-        return None
-    larger = k.replace(prefill_chunk_size=_chunk_bounds(k, policy).clamp(
-        math.ceil(k.prefill_chunk_size * policy.chunk_factor)))
-    return None if larger == k else larger
-
-
-def _decodes_back_chunk(s: TunerState, r: Reading) -> Knobs | None:
-    """The chunk raised while nothing decoded, put back as soon as decodes return over their ITL SLO,
-    without the second window rule 5 asks to confirm a breach: what justified the raise is gone. A phase
-    of documents leaves the chunk large; the chats after it breach ITL in the windows a document's
-    prefill falls in, and confirming that over separate windows took 26-120 s in session 11's runs N and
-    O (10-15 chats lost each time). None when no such raise stands or the decodes meet their SLO (a move
-    from a met SLO would be rolled back on the next noisy window)."""
-    before = s.chunk_before_decode_free
-    if before is None or r.nothing_decodes or r.itl <= 1 or s.knobs.prefill_chunk_size <= before:
-        return None
-    return s.knobs.replace(prefill_chunk_size=before)
-
-
-def _chunk_steps(ttft: float, policy: TuningPolicy) -> int:
-    """Chunk steps up (of chunk_factor each) a p99 TTFT at `ttft` of its SLO calls for: one, or two when one
-    would not bring it under the headroom. A prompt's prefill takes prompt / chunk steps, so a queue of long
-    prompts drains about as much faster as the chunk grows; each step costs a cooldown and a window, and in
-    run J2 the two steps 64 -> 128 -> 256 at a phase of documents took 36 s and lost 13 of them. Never more
-    than two, so a failed jump is undone before it costs much; and never down: ITL falls far less than the
-    chunk (a step's fixed cost stays) while TTFT may rise as much."""
-    needed = math.log(max(ttft, 1.0) / (1 - policy.headroom)) / math.log(policy.chunk_factor)
-    return 2 if needed > 1 else 1
 
 
 def _correct(s: TunerState, policy: TuningPolicy, now: float, r: Reading, moves: list[tuple[str, Knobs]],
@@ -406,15 +363,6 @@ def _mark_failed(failed: tuple[FailedSetting, ...], knobs: Knobs, now: float, po
     return remember_failure(failed, FailedSetting(knobs, 0.0, 0, knob, direction, mix), now, policy)
 
 
-def _decode_free_base(s: TunerState, action: str, target: Knobs, r: Reading | None) -> int | None:
-    """What `chunk_before_decode_free` becomes after a move: the chunk before the first of the raises made
-    while nothing decoded, forgotten once any move brings the chunk back to it or below."""
-    before = s.chunk_before_decode_free
-    if action == RAISE_CHUNK and r is not None and r.nothing_decodes:
-        return s.knobs.prefill_chunk_size if before is None else before
-    return None if before is None or target.prefill_chunk_size <= before else before
-
-
 def _stay(state: TunerState, now: float, reason: str, met: bool | None, tuned: Condition) -> Decision:
     return Decision(HOLD, reason, now, None, False, met, tuned, dataclasses.replace(state, tuned=tuned))
 
@@ -432,5 +380,7 @@ def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: 
                                 r.itl, r.obs_request_rate, r.obs_prompt_token_rate)
     nxt = dataclasses.replace(s, knobs=target, last_change_time=now, pending=pending, tuned=tuned,
                               recent_knobs=(*s.recent_knobs, s.knobs)[-RECENT_MOVES:], previous_action=action,
-                              chunk_before_decode_free=_decode_free_base(s, action, target, r))
+                              chunk_before_decode_free=decode_free_base(
+                                  s.chunk_before_decode_free, s.knobs, target,
+                                  action == RAISE_CHUNK and r is not None and r.nothing_decodes))
     return Decision(action, reason, now, target, True, met, tuned, nxt)
