@@ -1,7 +1,7 @@
 """The prefill chunk's own moves, apart from the breach cures: its range, how far a TTFT breach may raise
 it (`chunk_steps`), the raise on prefill headroom with nothing decoding (rule 6, `headroom_raise`) and
 the return of a chunk raised that way once decodes come back over their SLO (rule 7, `decodes_back`,
-with the chunk remembered by `decode_free_base`). docs/tuning.md explains each."""
+with the chunk remembered by `cheap_raise_base`). docs/tuning.md explains each."""
 
 from __future__ import annotations
 
@@ -46,21 +46,23 @@ def headroom_raise(k: Knobs, r: Reading, policy: TuningPolicy) -> Knobs | None:
 
 
 def decodes_back(k: Knobs, before: int | None, r: Reading) -> Knobs | None:
-    """The chunk `before` the raises made while nothing decoded, put back as soon as decodes return over
-    their ITL SLO, without the second window rule 5 asks to confirm a breach: what justified the raise is
-    gone. A phase of documents leaves the chunk large; the chats after it breach ITL in the windows a
-    document's prefill falls in, and confirming that over separate windows took 26-120 s in session 11's
-    runs N and O (10-15 chats lost each time). None when no such raise stands or the decodes meet their
+    """The chunk `before` the raises made while decodes were absent or cheap (p99 ITL under half the
+    headroom line), put back as soon as decodes return over their ITL SLO, without the second window rule 5
+    asks to confirm a breach: what justified the raise is gone. A phase of documents leaves the chunk
+    large; the chats after it breach ITL in the windows a document's prefill falls in, and confirming that
+    over separate windows took 26-120 s in session 11's runs N and O (10-15 chats lost each time), 22 s in
+    session 12's run P (where the raise was a TTFT cure at the documents' onset, with the last chats'
+    decodes at 0.16 of their SLO). None when no such raise stands or the decodes meet their
     SLO (a move from a met SLO would be rolled back on the next noisy window)."""
     if before is None or r.nothing_decodes or r.itl <= 1 or k.prefill_chunk_size <= before:
         return None
     return k.replace(prefill_chunk_size=before)
 
 
-def decode_free_base(before: int | None, knobs: Knobs, target: Knobs, raised_without_decodes: bool) -> int | None:
-    """The chunk `before` the raises made while nothing decoded, after a move from `knobs` to `target`: set
-    by the first such raise, kept through the next ones, forgotten once a move brings the chunk back to it
-    or below."""
-    if raised_without_decodes:
+def cheap_raise_base(before: int | None, knobs: Knobs, target: Knobs, raised_cheaply: bool) -> int | None:
+    """The chunk `before` the raises made while decodes were absent or cheap, after a move from `knobs` to
+    `target`: set by the first such raise, kept through the next ones, forgotten once a move brings the
+    chunk back to it or below."""
+    if raised_cheaply:
         return knobs.prefill_chunk_size if before is None else before
     return None if before is None or target.prefill_chunk_size <= before else before

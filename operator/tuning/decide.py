@@ -24,8 +24,9 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    prefill_chunk_size goes up one step: prefill is the work near its SLO and no decode pays for it; else
    with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
    holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves;
-7. (checked before rule 5) a chunk raised while nothing decoded goes back to where it was as soon as decodes
-   return over their ITL SLO, without a second window to confirm: what justified the raise is gone.
+7. (checked before rule 5) a chunk raised while decodes were absent or cheap (p99 ITL under half the headroom
+   line) goes back to where it was as soon as decodes return over their ITL SLO, without a second window to
+   confirm: what justified the raise is gone.
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
 setting it left is not approached again before `retry_after_s`), and a move back to a setting one of the
 last three changes left marks the setting it leaves as failed, so moves that each help one p99 cannot take
@@ -46,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 from iterserve.operator.tuning.chunk_moves import (
-    chunk_bounds, chunk_steps, decode_free_base, decodes_back, headroom_raise,
+    chunk_bounds, chunk_steps, cheap_raise_base, decodes_back, headroom_raise,
 )
 from iterserve.operator.tuning.failures import FailedSetting, remember_failure
 from iterserve.operator.tuning.knobs import Knobs
@@ -103,9 +104,10 @@ class TunerState:
     failed: tuple[FailedSetting, ...] = ()
     # recent windows in which p99 TTFT (ITL) was over its SLO, counting only windows that do not overlap
     # the last one counted, and the end of that one
-    # the chunk in force before the raises made while nothing decoded (rule 6, or a TTFT cure with no decode
-    # to pay for it), put back as soon as decodes return near their SLO (rule 7); None: no such raise stands
-    chunk_before_decode_free: int | None = None
+    # the chunk in force before the raises made while decodes were absent or cheap (rule 6, or a TTFT cure
+    # with p99 ITL under half the headroom line), put back as soon as decodes breach ITL (rule 7); None: no
+    # such raise stands
+    chunk_before_cheap_raise: int | None = None
     num_ttft_breaches: int = 0
     num_itl_breaches: int = 0
     ttft_breach_end: float | None = None
@@ -169,11 +171,11 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
 
     if r.trouble is not None:
         return _correct(s, policy, now, r, [_back_off_seqs(state.knobs, obs, policy)], r.trouble, aimed=False)
-    if (chunk := decodes_back(s.knobs, s.chunk_before_decode_free, r)) is not None \
+    if (chunk := decodes_back(s.knobs, s.chunk_before_cheap_raise, r)) is not None \
             and s.blocked_until(chunk, now, r.mix, policy.mix_factor) is None:
         return _move(s, policy, now, LOWER_CHUNK, chunk,
                      f"decodes are back over their ITL SLO, and chunk {state.knobs.prefill_chunk_size} was raised "
-                     f"while nothing decoded: back to {chunk.prefill_chunk_size}: {r.text}", r,
+                     f"while decodes were absent or cheap: back to {chunk.prefill_chunk_size}: {r.text}", r,
                      _breached(r, state.tuned), aim="itl")
     if not r.met:
         # a mild breach must last confirm_breaches windows before it is acted on, each p99 on its own: one
@@ -380,7 +382,7 @@ def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: 
                                 r.itl, r.obs_request_rate, r.obs_prompt_token_rate)
     nxt = dataclasses.replace(s, knobs=target, last_change_time=now, pending=pending, tuned=tuned,
                               recent_knobs=(*s.recent_knobs, s.knobs)[-RECENT_MOVES:], previous_action=action,
-                              chunk_before_decode_free=decode_free_base(
-                                  s.chunk_before_decode_free, s.knobs, target,
-                                  action == RAISE_CHUNK and r is not None and r.nothing_decodes))
+                              chunk_before_cheap_raise=cheap_raise_base(
+                                  s.chunk_before_cheap_raise, s.knobs, target,
+                                  action == RAISE_CHUNK and r is not None and r.itl < (1 - policy.headroom) / 2))
     return Decision(action, reason, now, target, True, met, tuned, nxt)

@@ -109,7 +109,7 @@ class Tuner:
         now, the next window starts after them and the cooldown runs from here."""
         now = self.clock() if now is None else now
         self.state = dataclasses.replace(self.state, knobs=knobs, last_change_time=now, pending=None,
-                                         recent_knobs=(), previous_action=None, chunk_before_decode_free=None)
+                                         recent_knobs=(), previous_action=None, chunk_before_cheap_raise=None)
         self.synced.clear()
 
     def tick(self, now: float | None = None) -> TuningRecord:
