@@ -234,13 +234,14 @@ def test_the_chunk_climbs_to_its_bound_then_holds_and_comes_down_when_decodes_st
     ("decodes back within their SLO, in the band: nothing", window(ttft=500, itl=90), HOLD, 512),
     ("still nothing decoding: nothing", no_decodes(300), HOLD, 512),
 ])
-def test_a_chunk_raised_while_nothing_decoded_goes_back_when_decodes_return(name, then, want_action, want_chunk):
+def test_a_chunk_raised_while_nothing_decoded_goes_back_when_decodes_breach(name, then, want_action,
+                                                                            want_chunk):
     d = run([no_decodes(600), no_decodes(600), no_decodes(300), then])
     assert actions(d)[-1] == want_action, d[-1].reason
     assert chunks(d)[-1] == want_chunk
 
 
-def test_only_raises_made_while_nothing_decoded_are_undone_by_decodes():
+def test_only_raises_the_decodes_did_not_pay_for_are_undone_when_they_return():
     # a TTFT cure made with chats decoding near their SLO was made knowing what it costs them: nothing to
     # undo when they breach, rule 3 judges it
     d = run([window(ttft=1300, itl=40)] * 2)

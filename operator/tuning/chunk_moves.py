@@ -1,7 +1,7 @@
 """The prefill chunk's own moves, apart from the breach cures: its range, how far a TTFT breach may raise
 it (`chunk_steps`), the raise on prefill headroom with nothing decoding (rule 6, `headroom_raise`) and
-the return of a chunk raised that way once decodes come back over their SLO (rule 7, `decodes_back`,
-with the chunk remembered by `cheap_raise_base`). docs/tuning.md explains each."""
+the return of a chunk raised while decodes were absent or cheap once they come back over their SLO
+(rule 7, `decodes_back`, with the chunk remembered by `cheap_raise_base`). docs/tuning.md explains each."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def headroom_raise(k: Knobs, r: Reading, policy: TuningPolicy) -> Knobs | None:
     return None if larger == k else larger
 
 
+def decodes_cheap(r: Reading, policy: TuningPolicy) -> bool:
+    """No decode, or none near its SLO (p99 ITL under half the headroom line), pays for a larger chunk."""
+    return r.itl < (1 - policy.headroom) / 2
+
+
 def decodes_back(k: Knobs, before: int | None, r: Reading) -> Knobs | None:
     """The chunk `before` the raises made while decodes were absent or cheap (p99 ITL under half the
     headroom line), put back as soon as decodes return over their ITL SLO, without the second window rule 5
@@ -52,8 +57,8 @@ def decodes_back(k: Knobs, before: int | None, r: Reading) -> Knobs | None:
     large; the chats after it breach ITL in the windows a document's prefill falls in, and confirming that
     over separate windows took 26-120 s in session 11's runs N and O (10-15 chats lost each time), 22 s in
     session 12's run P (where the raise was a TTFT cure at the documents' onset, with the last chats'
-    decodes at 0.16 of their SLO). None when no such raise stands or the decodes meet their
-    SLO (a move from a met SLO would be rolled back on the next noisy window)."""
+    decodes at 0.16 of their SLO). None when no such raise stands or the decodes meet their SLO (a move
+    from a met SLO would be rolled back on the next noisy window)."""
     if before is None or r.nothing_decodes or r.itl <= 1 or k.prefill_chunk_size <= before:
         return None
     return k.replace(prefill_chunk_size=before)

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 from iterserve.operator.tuning.chunk_moves import (
-    chunk_bounds, chunk_steps, cheap_raise_base, decodes_back, headroom_raise,
+    cheap_raise_base, chunk_bounds, chunk_steps, decodes_back, decodes_cheap, headroom_raise,
 )
 from iterserve.operator.tuning.failures import FailedSetting, remember_failure
 from iterserve.operator.tuning.knobs import Knobs
@@ -102,12 +102,12 @@ class TunerState:
     previous_action: str | None = None
     pending: PendingChange | None = None
     failed: tuple[FailedSetting, ...] = ()
-    # recent windows in which p99 TTFT (ITL) was over its SLO, counting only windows that do not overlap
-    # the last one counted, and the end of that one
     # the chunk in force before the raises made while decodes were absent or cheap (rule 6, or a TTFT cure
     # with p99 ITL under half the headroom line), put back as soon as decodes breach ITL (rule 7); None: no
     # such raise stands
     chunk_before_cheap_raise: int | None = None
+    # recent windows in which p99 TTFT (ITL) was over its SLO, counting only windows that do not overlap
+    # the last one counted, and the end of that one
     num_ttft_breaches: int = 0
     num_itl_breaches: int = 0
     ttft_breach_end: float | None = None
@@ -384,5 +384,5 @@ def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: 
                               recent_knobs=(*s.recent_knobs, s.knobs)[-RECENT_MOVES:], previous_action=action,
                               chunk_before_cheap_raise=cheap_raise_base(
                                   s.chunk_before_cheap_raise, s.knobs, target,
-                                  action == RAISE_CHUNK and r is not None and r.itl < (1 - policy.headroom) / 2))
+                                  action == RAISE_CHUNK and r is not None and decodes_cheap(r, policy)))
     return Decision(action, reason, now, target, True, met, tuned, nxt)
