@@ -180,10 +180,10 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
     if not r.met:
         # a mild breach must last confirm_breaches windows before it is acted on, each p99 on its own: one
         # noisy window of ITL while TTFT is over does not turn a TTFT cure into an ITL one
-        # ... unless nothing decodes: the cure for TTFT then costs no decode, as with rule 6's raise, and a
-        # wrong one is judged and undone in the next window
+        # ... unless decodes are absent or cheap: the cure for TTFT then costs them nothing that matters, a
+        # wrong one is judged in the next window, and rule 7 undoes it in one move once decodes breach
         ttft_bad = r.ttft > 1 and (s.num_ttft_breaches >= policy.confirm_breaches or r.ttft >= policy.severe_ratio
-                                   or r.nothing_decodes)
+                                   or decodes_cheap(r, policy))
         itl_bad = r.itl > 1 and (s.num_itl_breaches >= policy.confirm_breaches or r.itl >= policy.severe_ratio)
         if not (ttft_bad or itl_bad):
             n = max(s.num_ttft_breaches, s.num_itl_breaches)
