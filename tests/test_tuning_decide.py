@@ -289,6 +289,18 @@ def test_both_over_at_the_lower_bounds_is_bounds_reached():
     assert d[-1].tuned.status == "False" and d[-1].tuned.reason == "BoundsReached"
 
 
+def test_both_over_with_ttft_the_farther_takes_a_larger_chunk_when_nothing_else_can_move():
+    """A breach that outlasted a window is an overload first (a back-off, a smaller chunk); with both at
+    their bounds and TTFT the farther over, the queue compounds while the tuner holds, so a larger chunk
+    is tried (session 13's run R held chunk 256 for 36 s this way while 512 was free). With ITL the
+    farther over there is still no move: the bounds are reached."""
+    at_bounds = TunerState(START.replace(max_num_seqs=2, prefill_chunk_size=32))
+    d = run([BOTH_OVER, ONSET], state=at_bounds)
+    assert actions(d) == [HOLD, RAISE_CHUNK] and chunks(d) == [32, 64], d[-1].reason
+    d = run([BOTH_OVER, window(ttft=2500, itl=300)], state=at_bounds)
+    assert actions(d) == [HOLD, HOLD] and d[-1].tuned.reason == "BoundsReached"
+
+
 def test_both_over_with_ttft_severe_backs_off_once_the_chunk_is_at_its_bound():
     d = run([STALL, ONSET], state=TunerState(START.replace(prefill_chunk_size=512)))
     assert actions(d) == [HOLD, BACK_OFF_SEQS] and seqs(d) == [8, 4]
