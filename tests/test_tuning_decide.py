@@ -270,6 +270,22 @@ def test_a_chunk_raised_on_headroom_that_breaks_the_slo_is_rolled_back_and_not_r
     assert chunks(d) == [256, 128, 128, 128]
 
 
+@pytest.mark.parametrize("name, after, want_action, want_chunk", [
+    # the queue built before the raise still shows in the window after it, served faster: kept, and the
+    # breach (with nothing decoding) is acted on as any other, here by a further raise
+    ("TTFT over with more throughput: a backlog draining", dataclasses.replace(no_decodes(1300), request_rate=6),
+     RAISE_CHUNK, 512),
+    ("TTFT over with no more throughput: rolled back", no_decodes(1300), ROLLBACK, 128),
+    ("ITL over its SLO: rolled back", dataclasses.replace(window(ttft=700, itl=130), request_rate=6), ROLLBACK, 128),
+])
+def test_a_chunk_raised_on_headroom_is_judged_as_a_ttft_cure(name, after, want_action, want_chunk):
+    """Rule 6's raise meets a queue as it builds: session 13's run S rolled back 128 -> 256 at a
+    documents' onset on the window after it, which still held the documents queued before it."""
+    d = run([no_decodes(900), after])
+    assert actions(d) == [RAISE_CHUNK, want_action], d[-1].reason
+    assert chunks(d)[-1] == want_chunk
+
+
 def test_a_round_of_three_moves_back_to_where_it_started_marks_the_last_setting_failed():
     """128 -> 64 -> 32 (ITL room) and a two-step jump back to 128 (TTFT): 32 did not pay, so the next
     round stops above it instead of going round again."""

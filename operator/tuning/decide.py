@@ -9,17 +9,19 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    errors) is rolled back to the last good setting; a correction that failed to improve the p99 it aimed
    at (with no more work of the kind that drives it: throughput for TTFT, prefill for ITL), or pushed the
    other p99 over its SLO (unless the aimed p99 is now met and the new breach is smaller), is reverted;
-   the failed setting is not retried before
+   rule 6's chunk raise is judged as a TTFT cure (a backlog building as it was made keeps TTFT rising
+   for a window); the failed setting is not retried before
    `retry_after_s`, doubling each time the same knob fails the same way again;
 4. preemptions or failed steps back max_num_seqs off multiplicatively (every back-off halves the batch
    that actually ran, when fewer ran than the cap);
 5. a breach (confirmed over `confirm_breaches` windows that do not overlap, with at most a window between
-   two of them, unless severe, or TTFT over with nothing decoding) is diagnosed:
+   two of them, unless severe, or TTFT over with decodes absent or cheap) is diagnosed:
    ITL over while TTFT is within its SLO lowers prefill_chunk_size (prefill stalls decode); TTFT over while
    ITL has headroom raises max_num_seqs when the batch cap holds requests back, else prefill_chunk_size (two
    steps at once when one would not bring TTFT under the headroom); both over as TTFT turns severe and the
    farther over adds capacity the same way first (a queue compounds);
-   otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity);
+   otherwise max_num_seqs backs off (a smaller chunk first when the cap binds: it costs no capacity), and
+   should neither be left while TTFT is severe and the farther over, the chunk goes up;
 6. with the SLO met, TTFT past half the headroom line and nothing decoding (no ITL in the window),
    prefill_chunk_size goes up one step: prefill is the work near its SLO and no decode pays for it; else
    with both p99s under (1 - headroom) x SLO, KV usage under the pressure threshold and the batch cap
@@ -200,7 +202,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
             and s.blocked_until(chunk, now, r.mix, policy.mix_factor) is None:
         return _move(s, policy, now, RAISE_CHUNK, chunk,
                      f"SLO met, TTFT past half the headroom line and nothing decoding: prefill is the work, "
-                     f"and a larger chunk costs no decode: {r.text}", r, met, aim=None)
+                     f"and a larger chunk costs no decode: {r.text}", r, met, aim="ttft")
     target = state.knobs.replace(max_num_seqs=min(policy.max_num_seqs_bounds.max,
                                                   state.knobs.max_num_seqs + policy.seqs_step))
     room = 1 - policy.headroom
@@ -245,7 +247,7 @@ AIMS = {RAISE_SEQS: "ttft", RAISE_CHUNK: "ttft", LOWER_CHUNK: "itl", BACK_OFF_SE
 def _judge(p: PendingChange, r: Reading, obs: Observation, policy: TuningPolicy) -> str | None:
     """Why the change behind `p` made things worse, or None when it did not."""
     tol = 1 + policy.worse_tolerance
-    if p.before_healthy:
+    if p.before_healthy and p.aim is None:
         return r.trouble or f"it broke the SLO: {r.text}"
     if r.trouble and not p.before_trouble:
         return r.trouble
