@@ -25,7 +25,7 @@ def chunk_steps(ttft: float, policy: TuningPolicy) -> int:
     run J2 the two steps 64 -> 128 -> 256 at a phase of documents took 36 s and lost 13 of them. Never more
     than two, so a failed jump is undone before it costs much; and never down: ITL falls far less than the
     chunk (a step's fixed cost stays) while TTFT may rise as much."""
-    needed = math.log(max(ttft, 1.0) / (1 - policy.headroom)) / math.log(policy.chunk_factor)
+    needed = math.log(max(ttft, 1.0) / policy.headroom_line) / math.log(policy.chunk_factor)
     return 2 if needed > 1 else 1
 
 
@@ -38,7 +38,7 @@ def headroom_raise(k: Knobs, r: Reading, policy: TuningPolicy) -> Knobs | None:
     enough: whether prefill chunks met decodes in it is chance, and in session 11's run M a raise on ITL at
     0.36 of its SLO broke it (0.36 -> 1.38) in the next window. None when the rule does not apply or the
     chunk is at its bound."""
-    if r.ttft < (1 - policy.headroom) / 2 or not r.nothing_decodes:
+    if r.ttft < policy.headroom_line / 2 or not r.nothing_decodes:
         return None
     larger = k.replace(prefill_chunk_size=chunk_bounds(k, policy).clamp(
         math.ceil(k.prefill_chunk_size * policy.chunk_factor)))
@@ -47,7 +47,7 @@ def headroom_raise(k: Knobs, r: Reading, policy: TuningPolicy) -> Knobs | None:
 
 def decodes_cheap(r: Reading, policy: TuningPolicy) -> bool:
     """No decode, or none near its SLO (p99 ITL under half the headroom line), pays for a larger chunk."""
-    return r.itl < (1 - policy.headroom) / 2
+    return r.itl < policy.headroom_line / 2
 
 
 def decodes_back(k: Knobs, before: int | None, r: Reading) -> Knobs | None:

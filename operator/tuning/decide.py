@@ -205,7 +205,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
                      f"and a larger chunk costs no decode: {r.text}", r, met, aim="ttft")
     target = state.knobs.replace(max_num_seqs=min(policy.max_num_seqs_bounds.max,
                                                   state.knobs.max_num_seqs + policy.seqs_step))
-    room = 1 - policy.headroom
+    room = policy.headroom_line
     if r.score > room:
         why = f"SLO met within the hysteresis band (worst p99 at {r.score:.0%} of its SLO)"
     elif obs.kv_usage >= policy.kv_pressure:
@@ -278,7 +278,7 @@ def _corrections(k: Knobs, obs: Observation, r: Reading, policy: TuningPolicy, t
                  itl_bad: bool, new_queue: bool = False) -> list[tuple[str, Knobs]]:
     """The moves that can cure this (confirmed) breach, best first. `new_queue`: TTFT was within its SLO
     until this window (no earlier one that does not overlap it was over)."""
-    room = 1 - policy.headroom
+    room = policy.headroom_line
     chunks = chunk_bounds(k, policy)
     smaller = (LOWER_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.floor(k.prefill_chunk_size
                                                                                 / policy.chunk_factor))))

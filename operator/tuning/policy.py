@@ -116,6 +116,11 @@ class TuningPolicy:
         """Least seconds between two changes (cooldown_s, else one window)."""
         return self.window_s if self.cooldown_s is None else self.cooldown_s
 
+    @property
+    def headroom_line(self) -> float:
+        """The share of an SLO a p99 must stay under to count as having headroom: 1 - headroom."""
+        return 1 - self.headroom
+
     def replace(self, **changes) -> "TuningPolicy":
         return dataclasses.replace(self, **changes)
 
