@@ -120,6 +120,18 @@ def test_raw_stream_ends_with_done(server):
     assert all(e.startswith("data: ") for e in events)
 
 
+def test_stream_sends_a_chunk_per_token_even_while_a_character_is_held_back(client):
+    # The tiny tokenizer has one token per byte, so the random model's bytes above 0x7f form characters
+    # over several tokens; those tokens' chunks carry empty text (the character comes whole in a later
+    # one), as vLLM streams them, so a client's inter-chunk gap is one engine step, never two.
+    kwargs = dict(model=MODEL, prompt="hello", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert len(chunks) == 40
+    assert any(c.choices[0].text == "" for c in chunks)  # some character did span tokens
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
 def test_stream_flushes_tokens_while_the_request_runs(server):
     # The first tokens reach the client while the engine is still generating the rest (not in one
     # burst at the end): after the first content chunk, the request is still counted as running.

@@ -112,8 +112,12 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
     try:
         async for index, out in merged_outputs(state, job, queues):
             num_tokens += len(out.new_token_ids)
-            if not out.new_text and not out.finished and not job.want_logprobs:
-                continue  # a token that completes no character yet (held back, not lost)
+            if not out.new_token_ids and not out.finished:
+                continue  # nothing new (vLLM's "don't return empty chunks")
+            # ... but a token whose text is held back (part of a character split over byte-level tokens,
+            # or a possible stop string) still gets its chunk, with empty text, as in vLLM: the client
+            # sees one chunk per token at the engine's pace, not a stall of two steps (a client-side ITL
+            # twice the step time) whenever a character spans two tokens
             running_usage = usage(job, num_tokens) if job.continuous_usage else None
             finish = out.finish_reason if out.finished else None
             if chat:
