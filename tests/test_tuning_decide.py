@@ -249,6 +249,11 @@ def test_only_raises_the_decodes_did_not_pay_for_are_undone_when_they_return():
     # ... with the last decodes far under it (a phase of documents' onset), it is undone as one with none
     d = run([window(ttft=1300, itl=16), window(ttft=300, itl=50), ITL_OVER])
     assert actions(d) == [RAISE_CHUNK, HOLD, LOWER_CHUNK] and chunks(d) == [256, 256, 128]
+    # ... and neither is a cure right before one the decodes did not pay for: both served the documents
+    d = run([window(ttft=1300, itl=90)] * 2 + [no_decodes(1300), no_decodes(600), ITL_OVER])
+    assert actions(d) == [HOLD, RAISE_CHUNK, RAISE_CHUNK, HOLD, LOWER_CHUNK]
+    assert chunks(d) == [128, 256, 512, 512, 128]
+    assert [x.state.chunk_before_cheap_raise for x in d] == [None, None, 128, 128, None]
     # a raise rolled back leaves nothing to undo
     d = run([no_decodes(600), no_decodes(1300)])
     assert actions(d) == [RAISE_CHUNK, ROLLBACK] and d[-1].state.chunk_before_cheap_raise is None

@@ -28,7 +28,7 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    holding requests back, max_num_seqs goes up one step; between headroom and SLO nothing moves;
 7. (checked before rule 5) a chunk raised while decodes were absent or cheap (p99 ITL under half the headroom
    line) goes back to where it was as soon as decodes return over their ITL SLO, without a second window to
-   confirm: what justified the raise is gone.
+   confirm: what justified the raise is gone (with a TTFT cure right before it, to the chunk before both).
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
 setting it left is not approached again before `retry_after_s`), and a move back to a setting one of the
 last three changes left marks the setting it leaves as failed, so moves that each help one p99 cannot take
@@ -267,6 +267,18 @@ def _judge(p: PendingChange, r: Reading, obs: Observation, policy: TuningPolicy)
     return None
 
 
+def _raise_row_start(s: TunerState) -> Knobs:
+    """The setting before the chunk raise that made the current setting, if the last change was one, else
+    the current setting. A raise made while decodes were absent or cheap right after a TTFT cure serves
+    the same documents as that cure, which the decodes left from the last phase (near their SLO) paid for:
+    rule 7 puts back the chunk before both. In session 14's run T, 128 -> 256 -> 512 at a documents' onset
+    came back to 256 only, and the chats after them breached there for another window."""
+    if s.previous_action == RAISE_CHUNK and s.recent_knobs \
+            and s.recent_knobs[-1].prefill_chunk_size < s.knobs.prefill_chunk_size:
+        return s.recent_knobs[-1]
+    return s.knobs
+
+
 def _cap_binds(k: Knobs, obs: Observation, policy: TuningPolicy) -> bool:
     """Requests wait while the batch is (nearly) full: max_num_seqs is what holds them back. Waiting alone
     is not enough: a request arriving mid-step waits for the next one even in a half-empty batch."""
@@ -389,6 +401,6 @@ def _move(s: TunerState, policy: TuningPolicy, now: float, action: str, target: 
     nxt = dataclasses.replace(s, knobs=target, last_change_time=now, pending=pending, tuned=tuned,
                               recent_knobs=(*s.recent_knobs, s.knobs)[-RECENT_MOVES:], previous_action=action,
                               chunk_before_cheap_raise=cheap_raise_base(
-                                  s.chunk_before_cheap_raise, s.knobs, target,
+                                  s.chunk_before_cheap_raise, _raise_row_start(s), target,
                                   action == RAISE_CHUNK and r is not None and decodes_cheap(r, policy)))
     return Decision(action, reason, now, target, True, met, tuned, nxt)
