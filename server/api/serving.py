@@ -63,7 +63,6 @@ class Job:
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    want_logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -132,7 +131,6 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: list[list[int]],
               max_tokens: int | None, *, default_max_tokens: int | None, top_logprobs: int | None) -> Job:
     """top_logprobs: None for no logprobs, else how many alternatives to list per token (0: none)."""
-    want_logprobs = top_logprobs is not None
     engine = state.engine.engine
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{prompt_param}: {len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} "
@@ -164,7 +162,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
     opts = req.stream_options
     return Job(job_id, choices, [len(p) for p in prompts], req.priority, req.stream,
                include_usage=bool(opts and opts.include_usage),
-               continuous_usage=bool(opts and opts.continuous_usage_stats), want_logprobs=want_logprobs)
+               continuous_usage=bool(opts and opts.continuous_usage_stats))
 
 
 def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None) -> SamplingParams:
