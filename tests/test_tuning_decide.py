@@ -259,6 +259,25 @@ def test_only_raises_the_decodes_did_not_pay_for_are_undone_when_they_return():
     assert actions(d) == [RAISE_CHUNK, ROLLBACK] and d[-1].state.chunk_before_cheap_raise is None
 
 
+@pytest.mark.parametrize("name, windows, want_actions, want_chunks", [
+    # session 14's runs T-V: 256 -> 128 for the chats, a raise back to 256 at the documents' onset with the
+    # last chats' decodes far under their SLO; when the chats return, 128 is rule 7's way back, and free
+    ("raised with decodes cheap: the way back stays open", [window(ttft=1300, itl=16), no_decodes(300), ITL_OVER],
+     [RAISE_CHUNK, HOLD, LOWER_CHUNK], [256, 256, 128]),
+    # raised with chats decoding near their SLO: the return says 128 did not pay, and rule 7 has nothing to
+    # undo; the ITL breach is confirmed over two windows, and with 128 blocked max_num_seqs backs off
+    ("raised with decodes near their SLO: 128 is marked failed",
+     [window(ttft=1300, itl=40)] * 2 + [no_decodes(300)] + [ITL_OVER] * 2,
+     [HOLD, RAISE_CHUNK, HOLD, HOLD, BACK_OFF_SEQS], [128, 256, 256, 256, 256]),
+])
+def test_a_raise_with_decodes_cheap_leaves_the_way_back_to_its_chunk_open(name, windows, want_actions,
+                                                                         want_chunks):
+    at_128 = TunerState(START, recent_knobs=(START.replace(prefill_chunk_size=256),), previous_action=LOWER_CHUNK)
+    d = run(windows, state=at_128)
+    assert actions(d) == want_actions, d[-1].reason
+    assert chunks(d) == want_chunks
+
+
 def test_a_mild_ttft_breach_with_decodes_absent_or_cheap_is_acted_on_at_once():
     """With nothing to decode, or the last decodes far under their SLO, a larger chunk costs no decode that
     matters: waiting a window to confirm the breach would only let the queue grow (session 11's run N

@@ -31,8 +31,8 @@ window before its first tokens do. Rules, in order (docs/tuning.md explains each
    confirm: what justified the raise is gone (with a TTFT cure right before it, to the chunk before both).
 Against oscillation besides the hysteresis band and the cooldown: a back-off leaves a ceiling (the
 setting it left is not approached again before `retry_after_s`), and a move back to a setting one of the
-last three changes left marks the setting it leaves as failed, so moves that each help one p99 cannot take
-turns forever.
+last three changes left marks the setting it leaves as failed (unless a chunk raise with decodes cheap
+leaves it: that is rule 7's way back), so moves that each help one p99 cannot take turns forever.
 `Tuned` is True while the SLO is met (a mild breach not yet confirmed leaves it True), False with
 `SLOBreached` while correcting, `BoundsReached` when the correction needed lies outside the bounds,
 `NoBetterSetting` when every correction left was tried and made things worse (that verdict stands
@@ -48,23 +48,17 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from iterserve.operator.tuning.actions import (  # noqa: F401 (the action names are part of this API)
+    AIMS, BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK,
+)
 from iterserve.operator.tuning.chunk_moves import (
     cheap_raise_base, chunk_bounds, chunk_steps, decodes_back, decodes_cheap, headroom_raise,
 )
-from iterserve.operator.tuning.failures import FailedSetting, remember_failure
+from iterserve.operator.tuning.failures import FailedSetting, mark_failed
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import Reading, count_breach, read
-
-HOLD = "hold"
-CLAMP = "clamp_to_bounds"
-RAISE_SEQS = "raise_max_num_seqs"
-BACK_OFF_SEQS = "back_off_max_num_seqs"
-LOWER_CHUNK = "lower_prefill_chunk_size"
-RAISE_CHUNK = "raise_prefill_chunk_size"
-ROLLBACK = "rollback"
-ACTIONS = (HOLD, CLAMP, RAISE_SEQS, BACK_OFF_SEQS, LOWER_CHUNK, RAISE_CHUNK, ROLLBACK)
 
 
 @dataclass(frozen=True)
@@ -165,7 +159,7 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
         if worse is not None:
             # the setting went back to is cleared (a back-off marked it as a ceiling: the back-off was wrong)
             failed = tuple(f for f in s.failed if f.knobs != p.before)
-            s = dataclasses.replace(s, failed=_mark_failed(failed, state.knobs, now, policy, p.action, r.mix))
+            s = dataclasses.replace(s, failed=mark_failed(failed, state.knobs, now, policy, p.action, r.mix))
             where = "the last good setting" if p.before_healthy else "the setting before it"
             return _move(s, policy, now, ROLLBACK, p.before,
                          f"the change to {state.knobs.describe()} made things worse ({worse}); back to {where}",
@@ -241,7 +235,6 @@ def _back_off_seqs(k: Knobs, obs: Observation, policy: TuningPolicy) -> tuple[st
 
 RECENT_MOVES = 3  # how many settings back a move counts as returning (see _remember_move)
 
-AIMS = {RAISE_SEQS: "ttft", RAISE_CHUNK: "ttft", LOWER_CHUNK: "itl", BACK_OFF_SEQS: "itl"}
 
 
 def _judge(p: PendingChange, r: Reading, obs: Observation, policy: TuningPolicy) -> str | None:
@@ -335,7 +328,7 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: Reading, moves:
         until = s.blocked_until(target, now, r.mix, policy.mix_factor)
         if until is None:
             if policy.mode == "auto":  # a recommendation moves nothing, so there is nothing to remember
-                s = dataclasses.replace(s, failed=_remember_move(s, action, target, now, policy, r.mix))
+                s = dataclasses.replace(s, failed=_remember_move(s, action, target, now, policy, r))
             return _move(s, policy, now, action, target, f"{why}: {r.text}", r, _breached(r, s.tuned),
                          aim=AIMS[action] if aimed else None)
         blocked.append(f"{action} to {target.describe()} made things worse (retry in {until - now:.0f} s)")
@@ -349,16 +342,24 @@ def _correct(s: TunerState, policy: TuningPolicy, now: float, r: Reading, moves:
 
 
 def _remember_move(s: TunerState, action: str, target: Knobs, now: float, policy: TuningPolicy,
-                   mix: float | None) -> tuple[FailedSetting, ...]:
+                   r: Reading) -> tuple[FailedSetting, ...]:
     """What a move teaches before it is judged. The setting a back-off leaves is a ceiling for the raises
     that follow. A move back to a setting one of the last RECENT_MOVES changes left says the moves since
     did not pay: without this, two moves that each help one p99 (a larger chunk for TTFT, a smaller one
     for ITL) would take turns, and so would three (the chunk 64 -> 32 -> 16 -> 64 -> ... in the
-    simulation's impossible load, two steps down to make ITL room and a two-step jump back for TTFT)."""
+    simulation's impossible load, two steps down to make ITL room and a two-step jump back for TTFT).
+    A chunk raise made while decodes are absent or cheap is the exception: the setting it leaves is
+    rule 7's way back for when decodes return over their ITL SLO, and the gap between the two conditions
+    (under half the headroom line, over the SLO) is the hysteresis. Marked failed, it was blocked in
+    session 14's runs T, U and V: chunk 128, which had met the SLO for 230 s of chats, was left at the
+    documents' onset by a raise back to the first setting, 256; when the chats came back, the window's
+    prompt tokens per request still held the documents, and 256 stayed in force for 16 s of them."""
     if action == BACK_OFF_SEQS:
-        return _mark_failed(s.failed, s.knobs, now, policy, RAISE_SEQS, mix)
+        return mark_failed(s.failed, s.knobs, now, policy, RAISE_SEQS, r.mix)
+    if action == RAISE_CHUNK and decodes_cheap(r, policy):
+        return s.failed
     if target in s.recent_knobs and s.previous_action is not None:
-        return _mark_failed(s.failed, s.knobs, now, policy, s.previous_action, mix)
+        return mark_failed(s.failed, s.knobs, now, policy, s.previous_action, r.mix)
     return s.failed
 
 
@@ -369,18 +370,6 @@ def _breached(r: Reading, previous: Condition) -> Condition:
     if previous.status == "False" and previous.reason in ("NoBetterSetting", "BoundsReached"):
         return Condition("False", previous.reason, f"{text}; trying another setting")
     return Condition("False", "SLOBreached", text)
-
-
-# the knob each move turns and which way; a setting that failed blocks the settings beyond it that way
-DIRECTIONS = {RAISE_SEQS: ("max_num_seqs", 1), BACK_OFF_SEQS: ("max_num_seqs", -1),
-              RAISE_CHUNK: ("prefill_chunk_size", 1), LOWER_CHUNK: ("prefill_chunk_size", -1)}
-
-
-def _mark_failed(failed: tuple[FailedSetting, ...], knobs: Knobs, now: float, policy: TuningPolicy,
-                 action: str, mix: float | None) -> tuple[FailedSetting, ...]:
-    """Add `knobs` as failed by `action` under a load of `mix`, blocking the settings beyond it that way."""
-    knob, direction = DIRECTIONS.get(action, (None, 0))
-    return remember_failure(failed, FailedSetting(knobs, 0.0, 0, knob, direction, mix), now, policy)
 
 
 def _stay(state: TunerState, now: float, reason: str, met: bool | None, tuned: Condition) -> Decision:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from iterserve.operator.tuning.actions import DIRECTIONS
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.policy import TuningPolicy
 
@@ -63,3 +64,10 @@ def remember_failure(failed: tuple[FailedSetting, ...], entry: FailedSetting, no
     entry = dataclasses.replace(entry, until=now + policy.retry_after_s * 2 ** (n - 1), num_failures=n)
     replaced = [f for f in alike if f.knobs == entry.knobs or entry.covers(f.knobs)]
     return tuple(f for f in failed if f not in replaced) + (entry,)
+
+
+def mark_failed(failed: tuple[FailedSetting, ...], knobs: Knobs, now: float, policy: TuningPolicy,
+                action: str, mix: float | None) -> tuple[FailedSetting, ...]:
+    """Add `knobs` as failed by `action` under a load of `mix`, blocking the settings beyond it that way."""
+    knob, direction = DIRECTIONS.get(action, (None, 0))
+    return remember_failure(failed, FailedSetting(knobs, 0.0, 0, knob, direction, mix), now, policy)
