@@ -182,12 +182,13 @@ def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now
                                    or decodes_cheap(r, policy))
         itl_bad = r.itl > 1 and (s.num_itl_breaches >= policy.confirm_breaches or r.itl >= policy.severe_ratio)
         if not (ttft_bad or itl_bad):
-            n = max(s.num_ttft_breaches, s.num_itl_breaches)
+            over = [f"p99 {name} over in {n} separate recent window(s)" for name, ratio, n in
+                    (("TTFT", r.ttft, s.num_ttft_breaches), ("ITL", r.itl, s.num_itl_breaches)) if ratio > 1]
             # the verdict has the action's hysteresis: a met SLO stays met until the breach is confirmed,
             # so one noisy window does not flip the condition (nor a quiet spell after it freeze it False)
             tuned = state.tuned if state.tuned.status == "True" else _breached(r, state.tuned)
-            return _stay(s, now, f"SLO breached in {n} separate recent window(s), {policy.confirm_breaches} "
-                                 f"needed to act; {r.text}", False, tuned)
+            return _stay(s, now, f"{', '.join(over)}, {policy.confirm_breaches} needed to act; {r.text}", False,
+                         tuned)
         moves = _corrections(state.knobs, obs, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
         return _correct(s, policy, now, r, moves, "SLO breached")
 
