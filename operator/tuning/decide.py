@@ -237,7 +237,6 @@ def _back_off_seqs(k: Knobs, obs: Observation, policy: TuningPolicy) -> tuple[st
 RECENT_MOVES = 3  # how many settings back a move counts as returning (see _remember_move)
 
 
-
 def _judge(p: PendingChange, r: Reading, obs: Observation, policy: TuningPolicy) -> str | None:
     """Why the change behind `p` made things worse, or None when it did not."""
     tol = 1 + policy.worse_tolerance
