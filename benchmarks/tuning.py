@@ -214,17 +214,22 @@ def play_round(server: Server, load: StepLoad, policy: TuningPolicy, configs: li
     grid, tuned = [], None
     for item in order:
         if item == "tuned":
-            tuned = with_load_average(tuned_run, server, load, policy, args)
+            tuned = with_machine_state(tuned_run, server, load, policy, args)
         else:
-            grid.append(with_load_average(static_run, server, load, *item, args, slo))
+            grid.append(with_machine_state(static_run, server, load, *item, args, slo))
     return {"grid": grid, "tuned": tuned, "order": [i if i == "tuned" else f"{i[0]}/{i[1]}" for i in order]}
 
 
-def with_load_average(run, *args) -> dict:
-    """`run(*args)` with the machine's 1-minute load average before and after it (others share the cores)."""
+def with_machine_state(run, server: Server, load: StepLoad, *args) -> dict:
+    """`run(server, load, *args)` with what the machine was like around it: the unloaded median
+    inter-token gap right before it (calibrate's figure, against which the SLO was set: the machine's
+    speed drifts, by 15-20% between the two rounds of session 15's run W, and a fixed SLO moves with it)
+    and the 1-minute load average before and after it (others share the cores)."""
+    unloaded_itl_ms = calibrate(server, load)["itl_median_ms"]
     before = os.getloadavg()[0]
-    figures = run(*args)
-    return {**figures, "load_average": [round(before, 2), round(os.getloadavg()[0], 2)]}
+    figures = run(server, load, *args)
+    return {**figures, "unloaded_itl_ms": round(unloaded_itl_ms, 2),
+            "load_average": [round(before, 2), round(os.getloadavg()[0], 2)]}
 
 
 def main(argv=None) -> dict:

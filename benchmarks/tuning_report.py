@@ -17,6 +17,9 @@ from benchmarks.tuning_runs import DEFAULT_KNOBS
 
 GOODPUT_TARGET = 1.1
 WINDOWS_TARGET = 0.99
+# a run whose unloaded median gap lies further than this from the calibration's ran on a machine whose
+# speed moved enough to make a fixed SLO clearly harder (or easier) to meet
+DRIFT = 0.1
 # the figures a setting's repeats are summarised by (their medians)
 MEDIAN_KEYS = ("num_good", "goodput_rps", "windows_within_slo", "ttft_p99_ms", "itl_p99_ms",
                "windows_within_slo_after_convergence", "convergence_s")
@@ -175,6 +178,11 @@ def print_table(result: dict) -> None:
               f"the {check['num_requests']} requests sent by then {check['tuned_good']} were good there, "
               f"{check['static_default_good']} in the static {DEFAULT_KNOBS.max_num_seqs}/"
               f"{DEFAULT_KNOBS.prefill_chunk_size} run (the same requests and knobs)")
+    speed, drifted = machine_speed(result)
+    print(speed)
+    if drifted:
+        print(f"the machine's speed moved more than {DRIFT:.0%} from the calibration before: {', '.join(drifted)} "
+              f"(the SLO is fixed: a slower machine meets it less)")
     per_round = v.get("goodput_ratio_per_round")
     if per_round:
         print("tuned / best static good requests, round by round: " + ", ".join(f"{x:.2f}x" for x in per_round))
@@ -189,6 +197,24 @@ def print_table(result: dict) -> None:
           f"{'PASS' if v['goodput_pass'] else 'MISS'}")
     print(f"windows within SLO after convergence: {pct(v['windows_after_convergence'])} "
           f"(target >= {WINDOWS_TARGET:.0%}) {'PASS' if v['windows_pass'] else 'MISS'}")
+
+
+def machine_speed(result: dict) -> tuple[str, list[str]]:
+    """The unloaded median inter-token gap measured right before each run, as a line of text, and the runs
+    (by name) where it lay more than DRIFT from the calibration's. Runs from before this was measured
+    have none and are left out."""
+    calibrated = result["calibration"]["itl_median_ms"]
+    rows = [(f"{g['max_num_seqs']}/{g['prefill_chunk_size']}", g) for g in result["grid"]] + [("tuned", result["tuned"])]
+    parts, drifted = [], []
+    for name, row in rows:
+        runs = [r for r in row.get("repeats") or [row] if r.get("unloaded_itl_ms") is not None]
+        for i, r in enumerate(runs):
+            if abs(r["unloaded_itl_ms"] / calibrated - 1) > DRIFT:
+                drifted.append(f"{name}{f' (run {i + 1})' if len(runs) > 1 else ''}")
+        if runs:
+            parts.append(f"{name} " + "/".join(f"{r['unloaded_itl_ms']:.0f}" for r in runs))
+    text = f"unloaded median gap before each run, ms (calibration {calibrated:.0f}): " + ", ".join(parts)
+    return text, drifted
 
 
 def json_safe(x):

@@ -12,8 +12,8 @@ import pytest
 
 from benchmarks.tuning import main, make_load, parse_args, round_ms
 from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
-from benchmarks.tuning_report import (attainable, best_static, fold_repeats, median_or_none, noise_check,
-                                      phase_spans, verdict)
+from benchmarks.tuning_report import (attainable, best_static, fold_repeats, machine_speed, median_or_none,
+                                      noise_check, phase_spans, verdict)
 from benchmarks.tuning_runs import convergence_s, within_one_step
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.server.bench.client import RequestRecord
@@ -208,6 +208,24 @@ def test_noise_check_compares_the_requests_sent_before_the_first_change():
     assert noise_check({**tuned, "trajectory": tuned["trajectory"][:1]}, grid) is None  # the tuner never moved
 
 
+def test_machine_speed_flags_the_runs_whose_unloaded_gap_drifted_from_the_calibration():
+    def row(chunk, *gaps):
+        runs = [{"unloaded_itl_ms": g} for g in gaps]
+        return {"max_num_seqs": 64, "prefill_chunk_size": chunk, **({"repeats": runs} if len(runs) > 1 else runs[0])}
+
+    # session 15's run W: calibrated at 48 ms, the second round's runs 15-20% slower
+    result = {"calibration": {"itl_median_ms": 48.0}, "grid": [row(128, 48.4, 57.0), row(256, 43.0, 52.7)],
+              "tuned": row(None, 49.0, 56.0)}
+    text, drifted = machine_speed(result)
+    assert text == "unloaded median gap before each run, ms (calibration 48): 64/128 48/57, 64/256 43/53, tuned 49/56"
+    assert drifted == ["64/128 (run 2)", "64/256 (run 1)", "tuned (run 2)"]  # 52.7 is 9.8% off: within
+    single = {**result, "grid": [row(128, 48.0)], "tuned": row(None, 60.0)}
+    assert machine_speed(single)[1] == ["tuned"]
+    # runs recorded before the gap was measured have nothing to flag
+    assert machine_speed({**result, "grid": [{"max_num_seqs": 64, "prefill_chunk_size": 128}],
+                          "tuned": {}}) == ("unloaded median gap before each run, ms (calibration 48): ", [])
+
+
 def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     """A real server, the real tuner and every run of the script, shrunk to a few seconds each."""
     model = add_tiny_tokenizer(tiny_llama[0], tmp_path / "model")
@@ -228,6 +246,7 @@ def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     assert "tuned / best static good requests, round by round" in printed
     assert len(result["verdict"]["goodput_ratio_per_round"]) == 2
     assert "attainable by switching among the grid's settings" in printed
+    assert "unloaded median gap before each run" in printed
     reach = result["verdict"]["attainable"]
     assert len(reach["per_round"]) == 2 and all(reach["num_good"] >= g["num_good"] for g in result["grid"])
     for row in [result["tuned"], *result["grid"]]:
@@ -235,6 +254,7 @@ def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
         assert min(r["num_good"] for r in row["repeats"]) <= row["num_good"] <= max(r["num_good"] for r in row["repeats"])
         for run in row["repeats"]:
             assert run["num_completed"] == n  # the tiny model keeps up
+            assert run["unloaded_itl_ms"] > 0  # the machine's speed, measured right before the run
             assert len(run["windows"]) == 3
             assert len(run["requests"]) == n and sum(q["good"] for q in run["requests"]) == run["num_good"]
     for tuned in result["tuned"]["repeats"]:
