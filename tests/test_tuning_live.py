@@ -101,14 +101,20 @@ def assert_raised_and_ttft_fell(tuner: Tuner, records, urls, configmap) -> None:
     assert RAISE_SEQS in actions, decisions
     # the queue breached TTFT by the first raise (the very first window may close before the queue has grown)
     before = judged(records[:actions.index(RAISE_SEQS) + 1])
-    worst, last = max(before, key=lambda r: r.observation.ttft_p99_s), judged(records)[-1]
+    worst = max(before, key=lambda r: r.observation.ttft_p99_s)
     assert worst.observation.ttft_p99_s * 1000 > slo_ms, decisions
     knobs = tuner.state.knobs
     assert knobs.max_num_seqs > 1
     for url in urls:  # in force on every pod, live
         assert get_scheduler(url, TOKEN)["knobs"] == knobs.as_dict()
     assert configmap[-1] == knobs  # and where new pods would read them
-    assert last.observation.ttft_p99_s < worst.observation.ttft_p99_s / 2, decisions  # the p99 responded
+    # the p99 responded: from over its SLO to within it, and the tuner settled there (Tuned=True, no change
+    # in the last two ticks). Not "halved": the tuner holds once p99 is inside the hysteresis band (80-100%
+    # of the SLO), so a breach under 2x the SLO may settle above half of it (a CI run on a slow machine:
+    # 494 ms -> 271 ms against 275 ms)
+    assert settled_with_slo_met(records), decisions
+    settled = min(r.observation.ttft_p99_s for r in judged(records)[-2:])
+    assert settled * 1000 <= slo_ms < worst.observation.ttft_p99_s * 1000, decisions
 
 
 @pytest.fixture(scope="module")
