@@ -48,7 +48,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from iterserve.operator.tuning.actions import (  # noqa: F401 (the action names are part of this API)
+from iterserve.operator.tuning.actions import (
     AIMS, BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK,
 )
 from iterserve.operator.tuning.chunk_moves import (
