@@ -182,7 +182,7 @@ def print_table(result: dict) -> None:
     print(speed)
     if drifted:
         print(f"the machine's speed moved more than {DRIFT:.0%} from the calibration before: {', '.join(drifted)} "
-              f"(the SLO is fixed: a slower machine meets it less)")
+              f"(the SLO is fixed when the load starts: a slower machine meets it less, a faster one more)")
     per_round = v.get("goodput_ratio_per_round")
     if per_round:
         print("tuned / best static good requests, round by round: " + ", ".join(f"{x:.2f}x" for x in per_round))
@@ -201,7 +201,7 @@ def print_table(result: dict) -> None:
 
 def machine_speed(result: dict) -> tuple[str, list[str]]:
     """The unloaded median inter-token gap measured right before each run, as a line of text, and the runs
-    (by name) where it lay more than DRIFT from the calibration's. Runs from before this was measured
+    (by name, with how much slower or faster) where it lay more than DRIFT from the calibration's. Runs from before this was measured
     have none and are left out."""
     calibrated = result["calibration"]["itl_median_ms"]
     rows = [(f"{g['max_num_seqs']}/{g['prefill_chunk_size']}", g) for g in result["grid"]] + [("tuned", result["tuned"])]
@@ -209,8 +209,10 @@ def machine_speed(result: dict) -> tuple[str, list[str]]:
     for name, row in rows:
         runs = [r for r in row.get("repeats") or [row] if r.get("unloaded_itl_ms") is not None]
         for i, r in enumerate(runs):
-            if abs(r["unloaded_itl_ms"] / calibrated - 1) > DRIFT:
-                drifted.append(f"{name}{f' (run {i + 1})' if len(runs) > 1 else ''}")
+            off = r["unloaded_itl_ms"] / calibrated - 1  # a longer gap: a slower machine
+            if abs(off) > DRIFT:
+                run = f"run {i + 1}, " if len(runs) > 1 else ""
+                drifted.append(f"{name} ({run}{abs(off):.0%} {'slower' if off > 0 else 'faster'})")
         if runs:
             parts.append(f"{name} " + "/".join(f"{r['unloaded_itl_ms']:.0f}" for r in runs))
     text = f"unloaded median gap before each run, ms (calibration {calibrated:.0f}): " + ", ".join(parts)
