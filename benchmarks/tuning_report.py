@@ -201,8 +201,8 @@ def print_table(result: dict) -> None:
 
 def machine_speed(result: dict) -> tuple[str, list[str]]:
     """The unloaded median inter-token gap measured right before each run, as a line of text, and the runs
-    (by name, with how much slower or faster) where it lay more than DRIFT from the calibration's. Runs from before this was measured
-    have none and are left out."""
+    (by name, with how much slower or faster) where it lay more than DRIFT from the calibration's. Runs
+    from before this was measured have none and are left out."""
     calibrated = result["calibration"]["itl_median_ms"]
     rows = [(f"{g['max_num_seqs']}/{g['prefill_chunk_size']}", g) for g in result["grid"]] + [("tuned", result["tuned"])]
     parts, drifted = [], []
