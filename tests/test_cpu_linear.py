@@ -1,5 +1,5 @@
 """The oneDNN packed-weight linear (server/model/cpu_linear.py) against F.linear, on both sides of
-its row threshold, and its wiring into the model runner on CPU fp32."""
+its row threshold, and its wiring into the model and the model runner on CPU fp32."""
 
 import pytest
 import torch
@@ -13,14 +13,33 @@ pytestmark = pytest.mark.skipif(not onednn_packing_supported(torch.device("cpu")
 
 @pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, 17, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, with_bias):
+@pytest.mark.parametrize("min_rows", [1, MIN_ROWS])
+def test_packed_linear_matches_f_linear(rows, with_bias, min_rows):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 40, generator=gen)
     bias = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 40, generator=gen)
-    out = PackedLinear(weight, bias)(x)
+    out = PackedLinear(weight, bias, min_rows=min_rows)(x)
     assert out.shape == (rows, 96) and out.dtype == torch.float32
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_a_released_weight_is_freed_and_never_needed(rows):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 40, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    expected = F.linear(x, weight)
+    param = torch.nn.Parameter(weight.clone())
+    linear = PackedLinear(param, min_rows=1, release_unpacked=True)
+    assert param.numel() == 0
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_below_min_rows_the_unpacked_weight_is_kept():
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    PackedLinear(weight, min_rows=MIN_ROWS, release_unpacked=True)
+    assert weight.shape == (8, 4)
 
 
 def test_packed_linear_follows_its_weight_parameter_name():
@@ -43,15 +62,30 @@ def _tiny_config():
     })
 
 
-def test_packing_the_model_keeps_its_logits():
+PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+@pytest.mark.parametrize("rows", [1, MIN_ROWS + 1])
+def test_packing_the_model_keeps_its_logits_and_projections(rows):
     from iterserve.server.model.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM(_tiny_config(), attention_fn=None, max_positions=64)
-    hidden = torch.randn(MIN_ROWS + 1, 32)
+    hidden = torch.randn(rows, 32)
     expected = model.compute_logits(hidden)
-    model.pack_wide_linears()
-    assert all(isinstance(layer.mlp.gate_up_proj, PackedLinear) for layer in model.layers)
+    inputs = {p: torch.randn(rows, getattr(getattr(model.layers[0], p[0]), p[1]).in_features) for p in PROJECTIONS}
+    def outputs():
+        return {(i, p): getattr(getattr(layer, p[0]), p[1])(inputs[p])
+                for i, layer in enumerate(model.layers) for p in PROJECTIONS}
+
+    before = outputs()
+    model.pack_linears()
+    for layer in model.layers:
+        for owner, name in PROJECTIONS:
+            assert isinstance(getattr(getattr(layer, owner), name), PackedLinear)
+    for key, value in outputs().items():
+        torch.testing.assert_close(value, before[key], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    assert model.embed_tokens.weight.shape == (100, 32)  # the tied LM head's weight is never released
 
 
 @pytest.mark.parametrize("dtype,packed", [(torch.float32, True), (torch.bfloat16, False)])

@@ -1,11 +1,14 @@
-"""oneDNN pre-packed weights for the CPU's widest matmuls (the LM head and the fused gate/up).
+"""oneDNN pre-packed weights for every linear layer of the model on the CPU in fp32.
 
-On this project's AMD CPUs MKL's sgemm (what `F.linear` runs) is erratic for these shapes: the
-SmolLM2 LM head ([49152, 576]) takes 20 ms at 8 rows under MKL and 8 ms under oneDNN with a weight
-reordered once into its blocked layout (`python benchmarks/cpu_linear.py`; docs/benchmarks.md).
-Below MIN_ROWS rows MKL is the faster of the two, so both weights are kept and each call picks one
-by its row count. The other projections gain nothing measurable and stay on MKL, which bounds the
-extra memory to those two weights. Only fp32 on the CPU: bf16 and CUDA take other paths.
+MKL's sgemm (what `F.linear` runs) is slow on this project's AMD CPUs, which it does not give its
+best code paths. oneDNN picks its kernels by the instruction sets the CPU has, and a weight reordered
+once into its blocked layout saves the reorder at every call (vLLM's CPU backend does the same with
+its `onednn_mm`). Measured with `python benchmarks/cpu_linear.py` (docs/benchmarks.md): on an AVX-512
+CPU (AMD Zen 5) oneDNN takes every linear of a SmolLM2-135M step 2-6x faster than MKL at every row
+count, 1 included, where the step streams all weights from memory; on an AVX2 CPU (Zen 3) MKL was the
+faster of the two below 4 rows. So the row count from which the packed weight serves is 1 with AVX-512
+and MIN_ROWS without; where it is 1 the unpacked copy is never read and its memory is given back.
+Only fp32 on the CPU: bf16 and CUDA take other paths.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_ROWS = 4  # from 4 rows up oneDNN beats MKL on both shapes; at 1 row MKL is ~1.4x faster
+MIN_ROWS = 4  # without AVX-512: from 4 rows up oneDNN beats MKL; at 1 row MKL was ~1.4x faster (Zen 3)
 _PACK_BATCH_HINT = 64  # oneDNN chooses its blocked layout for this many rows; any row count works
 
 
@@ -23,15 +26,30 @@ def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b through oneDNN's packed W for MIN_ROWS rows or more, F.linear below that."""
+def packed_min_rows() -> int:
+    """Rows from which a PackedLinear uses oneDNN on this CPU (see the module docstring)."""
+    return 1 if torch.backends.cpu.get_cpu_capability() == "AVX512" else MIN_ROWS
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b through oneDNN's packed W from `min_rows` rows up, F.linear below that.
+
+    `release_unpacked`: with min_rows 1 the unpacked weight is never read again, so its storage is
+    freed (the parameter stays, empty, under its name). Only for a weight nothing else shares.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, min_rows: int | None = None,
+                 release_unpacked: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias  # shared with the module they came from, not copied
+        self.out_features = weight.shape[0]
+        self.min_rows = packed_min_rows() if min_rows is None else min_rows
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        self.released = release_unpacked and self.min_rows <= 1
+        if self.released:
+            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] >= MIN_ROWS:
+        if x.shape[0] >= self.min_rows or self.released:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

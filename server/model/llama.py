@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
         # module between devices and dtypes cannot untie it.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # set by pack_wide_linears(), on the CPU fp32 path only, once the model will not move any more
+        # set by pack_linears(), on the CPU fp32 path only, once the model will not move any more
         self.packed_lm_head: PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -147,12 +147,17 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def pack_wide_linears(self) -> None:
-        """Run the LM head and every gate/up projection through oneDNN packed weights (fp32 CPU only;
-        see server/model/cpu_linear.py). Call after the weights are loaded: the packed copies are made now."""
+    def pack_linears(self) -> None:
+        """Run the LM head and every projection through oneDNN packed weights (fp32 CPU only; see
+        server/model/cpu_linear.py). Call after the weights are loaded: the packed copies are made now.
+        The LM head may share the embedding's weight, so only the projections give their unpacked
+        copies back."""
         self.packed_lm_head = PackedLinear(self._lm_head_weight())
         for layer in self.layers:
-            layer.mlp.gate_up_proj = PackedLinear(layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias)
+            for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+                linear = getattr(owner, name)
+                setattr(owner, name, PackedLinear(linear.weight, linear.bias, release_unpacked=True))
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:

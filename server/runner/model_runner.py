@@ -45,7 +45,7 @@ class ModelRunner:
         else:
             model.load_weights(weights)
         if onednn_packing_supported(device, dtype):
-            model.pack_wide_linears()
+            model.pack_linears()
         if self.backend.name == "torch" and device.type == "cpu" and dtype == torch.float32:
             # their one-time builds happen at start-up, not in a request's step
             cpu_paged_attention.available()
