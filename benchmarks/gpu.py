@@ -210,7 +210,7 @@ def static_engine(engine):
     bm = engine.block_manager
     return LLMEngine(engine.model_runner, tokenizer=None, max_model_len=engine.max_model_len,
                      num_blocks=bm.num_blocks, block_size=bm.block_size, knobs=engine.knobs.value,
-                     policy="static", eos_token_ids=engine.eos_token_ids, vocab_size=engine.vocab_size)
+                     policy="static", eos_token_ids=engine.core.eos_token_ids, vocab_size=engine.vocab_size)
 
 
 def environment(sizes: Sizes) -> dict:

@@ -42,9 +42,9 @@ def measure_overhead(num_running: int = 256, steps: int = 300, block_size: int =
         t1 = time.perf_counter()
         prepare_step_inputs(out, block_size, device)
         t2 = time.perf_counter()
-        engine._postprocess(out, runner.execute_model(out))
+        engine.output_processor.process(engine.core._update(out, runner.execute_model(out)))
         t3 = time.perf_counter()
-        assert len(out.scheduled_requests) == num_running
+        assert len(out.scheduled) == num_running
         schedule_ms.append((t1 - t0) * 1e3)
         prepare_ms.append((t2 - t1) * 1e3)
         rest_ms.append((t3 - t2) * 1e3)

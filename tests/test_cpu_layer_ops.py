@@ -208,7 +208,7 @@ def _step(done: list[int], new: list[list[int]], tables: np.ndarray, block_size:
     slots = tables[token_req, positions // block_size] * block_size + positions % block_size
     layout = StepLayout(block_size=block_size, input_ids=sum(new, []), positions=positions, slots=slots,
                         starts=starts, num_new=num_new, computed=computed, ends=computed + num_new,
-                        tables=tables, sample_indices=np.zeros(0, dtype=np.int64), sampling_requests=[])
+                        tables=tables, sample_indices=np.zeros(0, dtype=np.int64), sampling=[])
     meta = build_torch_metadata(layout, torch.device("cpu"))
     return torch.tensor(layout.input_ids), torch.from_numpy(positions), meta
 

@@ -92,7 +92,7 @@ def test_stop_token_ids_eos_and_max_model_len(tiny_llama):
     out = drain(engine)[rid][-1]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == (tokens[: first + 1], "stop", stop_at)
     # the model's EOS ends a request unless ignore_eos
-    engine.eos_token_ids = frozenset({stop_at})
+    engine.core.eos_token_ids = frozenset({stop_at})
     rid = engine.add_request(prompt_token_ids=[4, 5], sampling_params=SamplingParams(max_tokens=10, temperature=0))
     out = drain(engine)[rid][-1]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == (tokens[: first + 1], "stop", None)

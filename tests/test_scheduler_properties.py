@@ -85,13 +85,18 @@ class Tracked:
 class Captured:
     """What the wrapped Scheduler.schedule() saw and returned, recorded before the step runs."""
 
-    out: object
+    out: object  # the SchedulerOutput: data only, keyed by request id
     pre_running: list  # running requests before schedule(), aborts not yet drained
     pre_new: list  # requests still in the inbox before schedule()
     pre_waiting: list
+    scheduled: list  # the Request behind each of out.scheduled
+    num_scheduled: list[int]  # tokens each scheduled request computes this step
     computed_before: list[int]  # num_computed_tokens of each scheduled request, before the step
     num_tokens_before: list[int]
     table_lens: list[int]
+    tables_are_the_block_managers: bool  # each ScheduledRequest.block_table as the block manager holds it
+    aborted: list  # the requests schedule() found aborted
+    preempted: list  # the requests schedule() preempted
     running_after: list
     waiting_after: list
 
@@ -145,11 +150,18 @@ class EngineMachine(RuleBasedStateMachine):
             pre_new = list(sched._new_requests)
             pre_waiting = list(sched.waiting)
             out = original()
+            running_before = {r.request_id: r for r in pre_running}
             self._captured = Captured(
                 out=out, pre_running=pre_running, pre_new=pre_new, pre_waiting=pre_waiting,
-                computed_before=[r.num_computed_tokens for r in out.scheduled_requests],
-                num_tokens_before=[r.num_tokens for r in out.scheduled_requests],
-                table_lens=[len(t) for t in out.block_tables],
+                scheduled=[sched.get(s.request_id) for s in out.scheduled],
+                num_scheduled=[len(s.new_token_ids) for s in out.scheduled],
+                computed_before=[s.num_computed_tokens for s in out.scheduled],
+                num_tokens_before=[sched.get(s.request_id).num_tokens for s in out.scheduled],
+                table_lens=[len(s.block_table) for s in out.scheduled],
+                tables_are_the_block_managers=all(
+                    s.block_table == self.eng.block_manager.block_tables.get(s.request_id) for s in out.scheduled),
+                aborted=list(sched.aborted),
+                preempted=[running_before[rid] for rid in out.preempted_request_ids],
                 running_after=list(sched.running), waiting_after=list(sched.waiting),
             )
             return out
@@ -330,35 +342,39 @@ class EngineMachine(RuleBasedStateMachine):
         bs = self.block_size
         bm = self.eng.block_manager
         assert knobs == self.knobs, "the step must run under the knobs in force"
-        n_sched = len(out.scheduled_requests)
-        assert len(out.num_scheduled_tokens) == n_sched == len(out.block_tables)
-        ids = [r.request_id for r in out.scheduled_requests]
+        n_sched = len(out.scheduled)
+        ids = [s.request_id for s in out.scheduled]
         assert len(set(ids)) == n_sched, f"a request is scheduled twice: {ids}"
         # token budget and chunking
-        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens == sum(cap.num_scheduled)
         assert out.total_num_scheduled_tokens <= knobs.max_num_batched_tokens
-        for req, n, c, total, tlen in zip(out.scheduled_requests, out.num_scheduled_tokens, cap.computed_before,
-                                          cap.num_tokens_before, cap.table_lens):
+        for s, req, n, c, total, tlen in zip(out.scheduled, cap.scheduled, cap.num_scheduled, cap.computed_before,
+                                             cap.num_tokens_before, cap.table_lens):
             assert 1 <= n, (req, n, knobs)
             assert c + n <= total, f"{req} scheduled {n} tokens past its end"
+            # the runner's contract: the tokens to compute, from where, and whether to sample after them
+            assert s.new_token_ids == req.token_ids[c : c + n], (s, req)
+            assert (s.sampling_params is not None) == (c + n == total), (s, req)
             # on-demand allocation: exactly the blocks this step's tokens need
             assert tlen == cdiv(c + n, bs), (req, c, n, tlen)
+        assert cap.tables_are_the_block_managers
         # prefill tokens (requests with more than one token left) share prefill_chunk_size per step
-        prefill = [n for n, c, total in zip(out.num_scheduled_tokens, cap.computed_before, cap.num_tokens_before)
+        prefill = [n for n, c, total in zip(cap.num_scheduled, cap.computed_before, cap.num_tokens_before)
                    if total - c > 1]
         assert sum(prefill) <= knobs.prefill_chunk_size, (prefill, knobs)
         # aborts: exactly the unfinished requests aborted since the last step
-        aborted_ids = {r.request_id for r in out.aborted_requests}
-        assert len(aborted_ids) == len(out.aborted_requests), "a request is aborted twice"
+        aborted_ids = {r.request_id for r in cap.aborted}
+        assert len(aborted_ids) == len(cap.aborted), "a request is aborted twice"
         assert aborted_ids == self.pending_aborts, (aborted_ids, self.pending_aborts)
-        for r in out.aborted_requests:
+        assert aborted_ids <= set(out.finished_request_ids), "the runner must hear of every request that left"
+        for r in cap.aborted:
             assert r.status == RequestStatus.FINISHED_ABORTED
             assert r.request_id not in bm.block_tables
             assert r not in cap.running_after and r not in cap.waiting_after
         # preemption: newest first, and nothing is admitted in a step that preempts
         pre_ids = {r.request_id for r in drained_running}
-        admitted = [r for r in out.scheduled_requests if r.request_id not in pre_ids]
-        preempted = out.preempted_requests
+        admitted = [r for r in cap.scheduled if r.request_id not in pre_ids]
+        preempted = cap.preempted
         assert [r.request_id for r in drained_running] == (
             [r.request_id for r in cap.running_after if r.request_id in pre_ids]
             + [r.request_id for r in reversed(preempted)]
@@ -371,7 +387,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert not admitted, f"admitted {admitted} in a step that preempted {preempted}"
             self.num_preempted_seen += len(preempted)
         # running requests come first, then admitted ones, in (priority, arrival) order
-        assert out.scheduled_requests[n_sched - len(admitted):] == admitted
+        assert cap.scheduled[n_sched - len(admitted):] == admitted
         keys = [r.sort_key for r in admitted]
         assert keys == sorted(keys)
         assert cap.running_after == [r for r in drained_running if r not in preempted] + admitted
@@ -398,7 +414,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _check_outputs(self, cap: Captured, outputs):
         out = cap.out
         # every scheduled request whose computed tokens reach its end samples exactly one token
-        sampling = {r.request_id for r, n, c, total in zip(out.scheduled_requests, out.num_scheduled_tokens,
+        sampling = {r.request_id for r, n, c, total in zip(cap.scheduled, cap.num_scheduled,
                                                            cap.computed_before, cap.num_tokens_before)
                     if c + n == total}
         seen = [o.request_id for o in outputs]

@@ -263,14 +263,14 @@ def test_drain_timeout_bounds_shutdown(tiny_dir):
 
 
 class _FailOnToken:
-    """Fault injection around the real model runner: a step that computes a request whose prompt
-    starts with `token` raises, as a device error would."""
+    """Fault injection around the real model runner: a step that computes the start of a prompt that
+    begins with `token` raises, as a device error would."""
 
     def __init__(self, runner, token: int):
         self.runner, self.token = runner, token
 
     def execute_model(self, out):
-        if any(r.prompt_token_ids[0] == self.token for r in out.scheduled_requests):
+        if any(s.num_computed_tokens == 0 and s.new_token_ids[0] == self.token for s in out.scheduled):
             raise RuntimeError("injected device failure")
         return self.runner.execute_model(out)
 
@@ -281,7 +281,7 @@ class _FailOnToken:
 def test_failing_step_fails_its_requests_not_the_server(server):
     engine = server.engine
     real = engine.model_runner
-    engine.model_runner = _FailOnToken(real, token=299)
+    engine.core.model_runner = _FailOnToken(real, token=299)
     try:
         r = _send(server.url, "/v1/completions", {**_VALID, "prompt": [299, 1]})
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
@@ -290,7 +290,7 @@ def test_failing_step_fails_its_requests_not_the_server(server):
             events = [line for line in s.iter_lines() if line]
         assert any('"error"' in e for e in events) and events[-1] == "data: [DONE]"
     finally:
-        engine.model_runner = real
+        engine.core.model_runner = real
     assert _send(server.url, "/v1/completions", _VALID).status_code == 200
     wait_idle(server.url)
     assert metric_value(metrics(server.url), "iterserve:engine_step_failures_total") >= 2

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from iterserve.server.api.serving import Job, ServerState, merged_outputs
 from iterserve.server.engine.async_engine import EngineStepError, EngineStoppedError
-from iterserve.server.engine.output_processor import RequestOutput
+from iterserve.server.engine.outputs import RequestOutput
 
 
 def usage(job: Job, completion_tokens: int) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from iterserve.server.api.errors import APIError, from_invalid_request
 from iterserve.server.api.protocol import SEED_MAX, ChatCompletionRequest, CompletionRequest
 from iterserve.server.engine.async_engine import AsyncEngine
-from iterserve.server.engine.output_processor import RequestOutput
+from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
 MAX_CHOICES = 1024  # prompts x n of one HTTP request: more is a batch job, not one request

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from iterserve.server.engine.output_processor import RequestOutput
+from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("iterserve.engine")

@@ -1,64 +1,34 @@
-"""The engine: owns the scheduler, the KV block pool and the model runner, and runs one step at a time.
+"""`LLMEngine`: the engine core and its output processor in one process, for offline use and tests.
 
-    step():  schedule  ->  run the model  ->  postprocess (append tokens, stop, free, report)
+    step():  core.step() (schedule -> run -> update, token ids)  ->  output processor (text, stop strings)
 
-A request that finishes in a step gives its blocks back in that same step, so the next step can admit
-a waiting request into them. Requests, aborts and knob changes may come from other threads; they take
-effect at the next step.
+The server runs the same two pieces in two processes instead (engine/core_client.py); this class is
+the in-process pairing, in the shape of vLLM's LLMEngine. Requests, aborts and knob changes may come
+from other threads; they take effect at the next step.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from dataclasses import dataclass
 
-from iterserve.server.engine.block_manager import BlockManager
-from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
-from iterserve.server.engine.output_processor import OutputProcessor, RequestOutput
+from iterserve.server.engine.core import EngineCore
+from iterserve.server.engine.knobs import SchedulerKnobs
+from iterserve.server.engine.output_processor import OutputProcessor
+from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.request import Request
 from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.server.engine.scheduler import Scheduler, SchedulerOutput
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_generated_tokens: int = 0
-    num_prompt_tokens_computed: int = 0  # includes recomputation after preemption
-    # KV slots allocated and slots holding a token, summed over steps (after each forward pass)
-    allocated_slot_steps: int = 0
-    filled_slot_steps: int = 0
-
-    @property
-    def kv_waste(self) -> float:
-        """Share of allocated KV slots that held no token, averaged over the steps run so far."""
-        if not self.allocated_slot_steps:
-            return 0.0
-        return 1.0 - self.filled_slot_steps / self.allocated_slot_steps
 
 
 class LLMEngine:
     def __init__(self, model_runner, *, tokenizer, max_model_len: int, num_blocks: int, block_size: int,
                  knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(), vocab_size: int):
-        self.model_runner = model_runner
+        self.core = EngineCore(model_runner, max_model_len=max_model_len, num_blocks=num_blocks,
+                               block_size=block_size, knobs=knobs, policy=policy, eos_token_ids=eos_token_ids)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.eos_token_ids = frozenset(eos_token_ids)
-        if num_blocks * block_size < max_model_len:
-            raise InvalidRequestError(
-                "kv_cache_memory",
-                f"the KV cache holds {num_blocks * block_size} tokens, fewer than max_model_len "
-                f"{max_model_len}: give it more memory or lower max_model_len",
-            )
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.knobs = LiveKnobs(knobs)
-        self.scheduler = Scheduler(self.block_manager, self.knobs, policy)
-        self.output_processor = OutputProcessor(tokenizer, max_model_len)
-        self.stats = EngineStats()
+        self.output_processor = OutputProcessor(tokenizer)
         self._enqueue_lock = threading.Lock()
 
     @classmethod
@@ -66,6 +36,13 @@ class LLMEngine:
         from iterserve.server.engine.engine_factory import build_engine
 
         return build_engine(config)
+
+    # the core's parts, for metrics, benchmarks and tests
+    model_runner = property(lambda self: self.core.model_runner)
+    scheduler = property(lambda self: self.core.scheduler)
+    block_manager = property(lambda self: self.core.block_manager)
+    knobs = property(lambda self: self.core.knobs)
+    stats = property(lambda self: self.core.stats)
 
     # -- requests (any thread) -------------------------------------------------------------------
 
@@ -93,14 +70,8 @@ class LLMEngine:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
-        req = Request(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-        )
-        return req
+        return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling_params=params,
+                       priority=priority)
 
     def enqueue(self, req: Request) -> None:
         """Queue a validated request. Its id must not belong to a request still in the engine (one
@@ -108,53 +79,28 @@ class LLMEngine:
         with self._enqueue_lock:
             if self.output_processor.has_request(req.request_id):
                 raise InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
-            self.output_processor.add_request(req)
-        self.scheduler.add_request(req)
+            self.output_processor.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                              req.arrival_time)
+        self.core.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (its client went away); its blocks are freed at the next step."""
-        self.scheduler.abort_request(request_id)
+        self.core.abort_request(request_id)
 
     def update_knobs(self, **changes: int) -> SchedulerKnobs:
         """Change max_num_seqs / max_num_batched_tokens / prefill_chunk_size from the next step on."""
-        return self.knobs.update(**changes)
+        return self.core.update_knobs(**changes)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     # -- the loop (engine thread) ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        sampled = self.model_runner.execute_model(scheduler_output) if not scheduler_output.is_empty else None
-        return self._postprocess(scheduler_output, sampled)
-
-    def _postprocess(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
-        outputs = [self.output_processor.make_output(r) for r in out.aborted_requests]
-        j = 0
-        for req, n in zip(out.scheduled_requests, out.num_scheduled_tokens):
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prompt chunk that does not reach the end samples nothing
-            status = self.output_processor.append_token(req, sampled.token_ids[j], sampled.logprobs[j],
-                                                        sampled.top_logprobs[j])
-            j += 1
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            if status is not None:
-                self.scheduler.finish_request(req, status)
-            outputs.append(self.output_processor.make_output(req))
-        self._record_stats(out, j)
+        outputs, stopped = self.output_processor.process(self.core.step())
+        for request_id in stopped:  # finished by a stop string: the core frees it at the next step
+            self.core.abort_request(request_id)
         return outputs
-
-    def _record_stats(self, out: SchedulerOutput, num_sampled: int) -> None:
-        s = self.stats
-        s.num_steps += 1
-        s.num_preemptions = self.scheduler.num_preemptions
-        s.num_generated_tokens += num_sampled
-        s.num_prompt_tokens_computed += out.total_num_scheduled_tokens - num_sampled
-        s.allocated_slot_steps += self.block_manager.num_allocated_slots()
-        s.filled_slot_steps += sum(r.num_computed_tokens for r in self.scheduler.running)
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -49,7 +49,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower is served first, as in vLLM
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -62,9 +61,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     # per sampled token, its top (token id, logprob) alternatives (only when top_logprobs is set)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # a seeded request's own torch.Generator, created by the sampler at its first random draw
-    sampling_generator: object | None = None
+    stop_reason: int | None = None  # the stop token id that ended it
     # timestamps (time.monotonic) for latency metrics
     scheduled_time: float | None = None  # first admitted to the running batch
     first_token_time: float | None = None
@@ -89,10 +86,6 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

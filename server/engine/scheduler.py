@@ -25,32 +25,43 @@ from dataclasses import dataclass, field
 from iterserve.server.engine.block_manager import BlockManager
 from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
 from iterserve.server.engine.request import Request, RequestStatus
+from iterserve.server.engine.sampling_params import SamplingParams
 
 POLICIES = ("continuous", "static")
 
 
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step, as plain data: what the model runner needs and nothing more."""
+
+    request_id: str
+    new_token_ids: list[int]  # the tokens this step computes (their K/V are written to the cache)
+    num_computed_tokens: int  # tokens already in the cache: the position of new_token_ids[0]
+    block_table: list[int]  # the request's block ids (owned by the block manager; read-only here)
+    # set when this step reaches the request's last known token, so the runner samples its next one
+    sampling_params: SamplingParams | None
+
+
 @dataclass
 class SchedulerOutput:
-    """What one step computes: the contract between the scheduler and the model runner."""
+    """What one step computes: the contract between the scheduler and the model runner (data only,
+    keyed by request id; the runner never sees a Request)."""
 
-    # requests computing this step, in the order their tokens are laid out in the flattened batch
-    scheduled_requests: list[Request]
-    # how many tokens each scheduled request computes this step, from its num_computed_tokens on
-    num_scheduled_tokens: list[int]
-    # each scheduled request's block table (live lists owned by the block manager; read-only here)
-    block_tables: list[list[int]]
-    # sum of num_scheduled_tokens; never above the step's max_num_batched_tokens
+    # in the order their tokens are laid out in the flattened batch
+    scheduled: list[ScheduledRequest]
+    # sum of len(new_token_ids); never above the step's max_num_batched_tokens
     total_num_scheduled_tokens: int
     # the knobs this step was scheduled under
     knobs: SchedulerKnobs
+    # requests that left the engine (finished or aborted) since the last step: the runner drops any
+    # state it keeps for them (a seeded request's generator)
+    finished_request_ids: list[str] = field(default_factory=list)
     # requests preempted in this step; their blocks are already back in the pool
-    preempted_requests: list[Request] = field(default_factory=list)
-    # requests aborted since the last step; their blocks are already back in the pool
-    aborted_requests: list[Request] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled_requests
+        return not self.scheduled
 
 
 class Scheduler:
@@ -68,6 +79,8 @@ class Scheduler:
         self._abort_ids: deque[str] = deque()
         self._live: dict[str, Request] = {}  # every unfinished request, by id (engine thread only)
         self._static_batch: set[str] = set()  # static policy: the ids of the batch being served
+        self._finished_ids: list[str] = []  # left the engine since the last schedule(): told to the runner
+        self.aborted: list[Request] = []  # the requests the latest schedule() found aborted
 
     # -- called from any thread ------------------------------------------------------------------
 
@@ -85,17 +98,19 @@ class Scheduler:
         return len(self.waiting) + len(self._new_requests)
 
     # -- called by the engine loop ---------------------------------------------------------------
+    # schedule() decides; the engine then runs the model and reports each sampled token to the request
+    # (Request.append_token) and finished ones here (finish_request).
 
     def schedule(self) -> SchedulerOutput:
-        aborted = self._drain_inboxes()
+        """Choose this step's requests and token counts; each scheduled request's num_computed_tokens
+        already counts this step's tokens when it returns (the runner computes them next)."""
+        self.aborted = self._drain_inboxes()
         knobs = self.knobs.value
         budget = knobs.max_num_batched_tokens
         prefill_left = knobs.prefill_chunk_size
         bm = self.block_manager
-        scheduled: list[Request] = []
-        num_tokens: list[int] = []
-        tables: list[list[int]] = []
-        preempted: list[Request] = []
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -104,33 +119,33 @@ class Scheduler:
             if n == 0:  # a prompt in progress, and this step's prefill tokens are spent: it waits a step
                 i += 1
                 continue
-            total = req.num_computed_tokens + n
-            while not bm.can_allocate(req.request_id, total):
+            while not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                tables.append(bm.allocate(req.request_id, total))
-                scheduled.append(req)
-                num_tokens.append(n)
                 budget -= n
                 prefill_left -= _prefill_tokens(req, n)
+                scheduled.append(self._schedule_tokens(req, n))
                 i += 1
 
         if not preempted:
-            self._admit(knobs, budget, prefill_left, scheduled, num_tokens, tables)
+            self._admit(knobs, budget, prefill_left, scheduled)
 
+        finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
-            scheduled_requests=scheduled,
-            num_scheduled_tokens=num_tokens,
-            block_tables=tables,
-            total_num_scheduled_tokens=sum(num_tokens),
+            scheduled=scheduled,
+            total_num_scheduled_tokens=sum(len(s.new_token_ids) for s in scheduled),
             knobs=knobs,
-            preempted_requests=preempted,
-            aborted_requests=aborted,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
         )
+
+    def get(self, request_id: str) -> Request:
+        """The unfinished request with this id (engine thread only)."""
+        return self._live[request_id]
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Retire a running request now: its blocks go back to the pool within this step."""
@@ -142,8 +157,17 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _admit(self, knobs: SchedulerKnobs, budget: int, prefill_left: int, scheduled, num_tokens,
-               tables) -> None:
+    def _schedule_tokens(self, req: Request, n: int) -> ScheduledRequest:
+        """Give `req` blocks for its next `n` tokens and count them as computed."""
+        start = req.num_computed_tokens
+        table = self.block_manager.allocate(req.request_id, start + n)
+        req.num_computed_tokens = start + n
+        samples = req.num_computed_tokens == req.num_tokens
+        return ScheduledRequest(req.request_id, req.token_ids[start:start + n], start, table,
+                                req.sampling_params if samples else None)
+
+    def _admit(self, knobs: SchedulerKnobs, budget: int, prefill_left: int,
+               scheduled: list[ScheduledRequest]) -> None:
         bm = self.block_manager
         if self.policy == "static" and not self.running and not self._static_batch:
             self._static_batch = {r.request_id for r in self.waiting[: knobs.max_num_seqs]}
@@ -159,15 +183,13 @@ class Scheduler:
             if not bm.can_allocate(req.request_id, n):
                 break  # FCFS: nobody overtakes the head for lack of memory
             del self.waiting[idx]
-            tables.append(bm.allocate(req.request_id, n))
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
             self.running.append(req)
-            scheduled.append(req)
-            num_tokens.append(n)
             budget -= n
             prefill_left -= _prefill_tokens(req, n)
+            scheduled.append(self._schedule_tokens(req, n))
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
@@ -201,6 +223,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         self._live.pop(req.request_id, None)
         self._static_batch.discard(req.request_id)
+        self._finished_ids.append(req.request_id)
 
 
 def _sort_key(req: Request) -> tuple[int, int]:

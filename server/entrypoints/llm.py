@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.llm_engine import LLMEngine
-from iterserve.server.engine.output_processor import RequestOutput
+from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
 

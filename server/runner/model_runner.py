@@ -17,7 +17,7 @@ from iterserve.server.model.cpu_linear import onednn_packing_supported
 from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.runner.backends import make_backend, num_sms
-from iterserve.server.runner.sampler import SamplerOutput, sample
+from iterserve.server.runner.sampler import EMPTY_OUTPUT, ModelRunnerOutput, sample
 from iterserve.server.runner.step_inputs import step_layout, to_step_inputs
 
 logger = logging.getLogger("iterserve.runner")
@@ -55,6 +55,7 @@ class ModelRunner:
         self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and self.backend.name == "triton"
         self.max_graph_batch = max_graph_batch
         self.static_decode = None
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' samplers, by request id
 
     def kv_cache_bytes_per_block(self) -> int:
         cfg = self.model_config
@@ -87,7 +88,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> SamplerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in out.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if out.is_empty:
+            return EMPTY_OUTPUT
         layout = step_layout(out, self.block_size)
         hidden = None
         if self.static_decode is not None and self.static_decode.can_run(layout):
@@ -104,7 +109,8 @@ class ModelRunner:
             inputs = to_step_inputs(layout, self.device, self.backend.build_metadata)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             sample_indices = inputs.sample_indices
-        if not layout.sampling_requests:
-            return SamplerOutput([], [], [])
+        if not layout.sampling:
+            return EMPTY_OUTPUT
         logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
-        return sample(logits, layout.sampling_requests)
+        return sample(logits, [s.request_id for s in layout.sampling], [s.sampling_params for s in layout.sampling],
+                      self.generators)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from iterserve.server.engine.scheduler import SchedulerOutput
-from iterserve.server.runner.sampler import SamplerOutput
+from iterserve.server.runner.sampler import ModelRunnerOutput
 from iterserve.server.runner.step_inputs import prepare_step_inputs
 
 
@@ -21,13 +21,13 @@ class NullModelRunner:
         self.prepare_inputs = prepare_inputs
         self.device = torch.device("cpu")
 
-    def execute_model(self, out: SchedulerOutput) -> SamplerOutput:
-        if self.prepare_inputs:
-            inputs = prepare_step_inputs(out, self.block_size, self.device)
-            requests = inputs.sampling_requests
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.prepare_inputs and not out.is_empty:
+            sampling = prepare_step_inputs(out, self.block_size, self.device).sampling
         else:
-            requests = [r for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)
-                        if r.num_computed_tokens + n == r.num_tokens]
-        # the next token depends only on the request's own tokens, as a real model's would
-        tokens = [(r.num_tokens * 31 + r.token_ids[-1]) % self.vocab_size for r in requests]
-        return SamplerOutput(tokens, [None] * len(tokens), [None] * len(tokens))
+            sampling = [s for s in out.scheduled if s.sampling_params is not None]
+        # the next token depends only on the request's own tokens, as a real model's would: its length
+        # (the position after its last token) and its last token
+        tokens = {s.request_id: ((s.num_computed_tokens + len(s.new_token_ids)) * 31 + s.new_token_ids[-1])
+                  % self.vocab_size for s in sampling}
+        return ModelRunnerOutput(tokens, {}, {})

@@ -1,7 +1,8 @@
 """Choose each request's next token from its logits: greedy, or temperature / top-k / top-p sampling.
 
 Every row is processed on its own (no cross-row normalisation), and a seeded request draws from its
-own torch.Generator, so its tokens do not depend on what else is in the batch.
+own torch.Generator (kept by the model runner, by request id), so its tokens do not depend on what
+else is in the batch. Results are keyed by request id.
 """
 
 from __future__ import annotations
@@ -10,49 +11,55 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.server.engine.request import Request
+from iterserve.server.engine.sampling_params import SamplingParams
 
 
 @dataclass
-class SamplerOutput:
-    token_ids: list[int]  # one per sampling request, in order
-    logprobs: list[float | None]  # logprob of the chosen token under the model's raw distribution
+class ModelRunnerOutput:
+    """One step's sampled tokens, by request id (only the requests the scheduler marked to sample)."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, float]  # the chosen token's logprob under the raw distribution, where asked for
     # the top_logprobs most likely (token id, logprob) pairs, best first, where asked for
-    top_logprobs: list[list[tuple[int, float]] | None]
+    top_logprobs: dict[str, list[tuple[int, float]]]
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    """logits: [len(requests), vocab] float32."""
-    params = [r.sampling_params for r in requests]
+EMPTY_OUTPUT = ModelRunnerOutput({}, {}, {})
+
+
+def sample(logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+           generators: dict[str, torch.Generator]) -> ModelRunnerOutput:
+    """logits: [len(request_ids), vocab] float32. `generators` holds the seeded requests' generators
+    (created here at their first random draw; the caller drops them when a request leaves)."""
     token_ids = logits.max(dim=-1).indices  # argmax's answer (the first maximum) at half its time on CPU
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         token_ids = token_ids.clone()
         for i in random_rows:
             # on the CPU: a seeded request's generator lives there, and one row is cheap to move
-            token_ids[i] = _sample_row(logits[i].cpu(), requests[i])
+            token_ids[i] = _sample_row(logits[i].cpu(), params[i], _generator(request_ids[i], params[i], generators))
     chosen = token_ids.tolist()
 
-    logprobs: list[float | None] = [None] * len(requests)
-    top: list[list[tuple[int, float]] | None] = [None] * len(requests)
+    logprobs: dict[str, float] = {}
+    top: dict[str, list[tuple[int, float]]] = {}
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if wanted:
         rows = torch.tensor(wanted)
         all_lp = torch.log_softmax(logits[rows], dim=-1)
         lp = all_lp.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)
         for i, value in zip(wanted, lp.tolist()):
-            logprobs[i] = value
+            logprobs[request_ids[i]] = value
         k = max(params[i].top_logprobs for i in wanted)
         if k:
             values, ids = all_lp.topk(k, dim=-1)
             for row, i in enumerate(wanted):
                 n = params[i].top_logprobs
-                top[i] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist())) if n else None
-    return SamplerOutput(chosen, logprobs, top)
+                if n:
+                    top[request_ids[i]] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
+    return ModelRunnerOutput(dict(zip(request_ids, chosen)), logprobs, top)
 
 
-def _sample_row(row: torch.Tensor, req: Request) -> int:
-    p = req.sampling_params
+def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     row = row / p.temperature
     if 0 < p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
@@ -66,14 +73,15 @@ def _sample_row(row: torch.Tensor, req: Request) -> int:
         drop_sorted[0] = False
         row = row.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
     probs = row.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=_generator(req)).item())
+    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def _generator(req: Request) -> torch.Generator | None:
-    seed = req.sampling_params.seed
-    if seed is None:
+def _generator(request_id: str, p: SamplingParams, generators: dict[str, torch.Generator]
+               ) -> torch.Generator | None:
+    if p.seed is None:
         return None  # the global RNG, seeded once by the engine
-    if req.sampling_generator is None:
-        req.sampling_generator = torch.Generator(device="cpu")
-        req.sampling_generator.manual_seed(seed)
-    return req.sampling_generator
+    generator = generators.get(request_id)
+    if generator is None:
+        generator = generators[request_id] = torch.Generator(device="cpu")
+        generator.manual_seed(p.seed)
+    return generator

@@ -15,8 +15,7 @@ import torch
 
 from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery, SingleQueryGroup
-from iterserve.server.engine.request import Request
-from iterserve.server.engine.scheduler import SchedulerOutput
+from iterserve.server.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -24,10 +23,10 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata  # or the TritonAttentionMetadata of the Triton backend
-    # index, in the flattened step, of the last token of each request whose computed tokens reach its
-    # total this step: those requests sample their next token from that position's logits
+    # index, in the flattened step, of the last token of each request the scheduler marked to sample:
+    # it samples its next token from that position's logits
     sample_indices: torch.Tensor
-    sampling_requests: list[Request]
+    sampling: list[ScheduledRequest]
 
 
 def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
@@ -72,15 +71,15 @@ class StepLayout:
     ends: np.ndarray  # [num_reqs] context length after this step (computed + num_new)
     tables: np.ndarray  # [num_reqs, longest] block tables, zero-padded
     sample_indices: np.ndarray
-    sampling_requests: list[Request]
+    sampling: list[ScheduledRequest]  # the requests that sample, in sample_indices' order
 
 
 def step_layout(out: SchedulerOutput, block_size: int) -> StepLayout:
     bs = block_size
-    reqs = out.scheduled_requests
+    reqs = out.scheduled
     num_reqs = len(reqs)
     computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
-    num_new = np.asarray(out.num_scheduled_tokens, dtype=np.int64)
+    num_new = np.fromiter((len(r.new_token_ids) for r in reqs), dtype=np.int64, count=num_reqs)
     ends = computed + num_new
     starts = np.cumsum(num_new) - num_new  # first index of each request in the flattened step
     num_tokens = int(num_new.sum())
@@ -88,20 +87,17 @@ def step_layout(out: SchedulerOutput, block_size: int) -> StepLayout:
     # Positions and cache slots of every new token, vectorized over the flattened step.
     token_req = np.repeat(np.arange(num_reqs), num_new)
     positions = np.arange(num_tokens) - starts[token_req] + computed[token_req]
-    tables = padded_block_tables(out.block_tables)
+    tables = padded_block_tables([r.block_table for r in reqs])
     slots = tables[token_req, positions // bs] * bs + positions % bs
-    input_ids = list(chain.from_iterable(
-        r.token_ids[c:e] for r, c, e in zip(reqs, computed.tolist(), ends.tolist())
-    ))
+    input_ids = list(chain.from_iterable(r.new_token_ids for r in reqs))
 
-    # Requests whose computed tokens reach their total sample a token from their last position.
-    totals = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=num_reqs)
-    sampling = np.flatnonzero(ends == totals)
+    # The requests the scheduler marked sample a token from their last position.
+    sampling = [i for i, r in enumerate(reqs) if r.sampling_params is not None]
+    rows = np.asarray(sampling, dtype=np.int64)
     return StepLayout(
         block_size=bs, input_ids=input_ids, positions=positions, slots=slots, starts=starts, num_new=num_new,
-        computed=computed, ends=ends, tables=tables,
-        sample_indices=starts[sampling] + num_new[sampling] - 1,
-        sampling_requests=[reqs[i] for i in sampling.tolist()],
+        computed=computed, ends=ends, tables=tables, sample_indices=starts[rows] + num_new[rows] - 1,
+        sampling=[reqs[i] for i in sampling],
     )
 
 
@@ -147,7 +143,7 @@ def to_step_inputs(layout: StepLayout, device: torch.device, build_metadata=buil
         positions=torch.from_numpy(layout.positions).to(device),
         meta=build_metadata(layout, device),
         sample_indices=torch.from_numpy(layout.sample_indices).to(device),
-        sampling_requests=layout.sampling_requests,
+        sampling=layout.sampling,
     )
 
 
