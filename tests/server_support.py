@@ -1,7 +1,8 @@
 """Helpers for the server tests: a tokenizer for the tiny random models, and real servers to talk to.
 
-`InProcessServer` runs the real app under uvicorn in a thread (no signal handling: the engine and the
-HTTP stack are the production ones); `start_subprocess` runs `iterserve serve` itself, for SIGTERM.
+`InProcessServer` runs the real app under uvicorn in a thread (no signal handling: the engine core in
+its own process and the HTTP stack are the production ones); `start_subprocess` runs `iterserve serve`
+itself, for SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 import httpx
 
 from iterserve.server.config import EngineConfig
-from iterserve.server.engine.engine_factory import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CHAT_TEMPLATE = (
@@ -56,13 +56,19 @@ def free_port() -> int:
 
 
 class InProcessServer:
+    """`core_in_process`: the engine core in a thread of this process instead of its own process, so a
+    test can reach into it (`.core`, e.g. to inject a fault); everything else is the same."""
+
     def __init__(self, model: str | None, *, model_name: str = "test-model", max_queue=None, api_key=None,
-                 admin_token=None, drain_timeout: float = 10.0, **engine_options):
+                 admin_token=None, drain_timeout: float = 10.0, core_in_process: bool = False, **engine_options):
         from iterserve.server.api.app import create_app
+        from iterserve.server.engine.core_client import EngineClient
         from iterserve.server.entrypoints.serve_cmd import build_server_state, make_uvicorn_server
 
         engine_options.setdefault("kv_cache_memory", "8MiB")
-        self.engine = build_engine(EngineConfig(model=model, **engine_options))
+        self.engine = EngineClient(EngineConfig(model=model, **engine_options), in_process=core_in_process)
+        self.engine.start()
+        self.core = self.engine.core
         self.state = build_server_state(self.engine, model_name, max_queue=max_queue, api_key=api_key,
                                         admin_token=admin_token)
         self.port = free_port()
@@ -72,7 +78,6 @@ class InProcessServer:
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "InProcessServer":
-        self.state.engine.start()
         self._thread.start()
         wait_ready(self.url)
         return self

@@ -28,7 +28,7 @@ def server(tiny_dir):
 
 
 def knobs(srv) -> dict:
-    return srv.engine.knobs.value.as_dict()
+    return srv.engine.knobs.as_dict()
 
 
 def test_admin_needs_its_own_token(server):
@@ -56,11 +56,11 @@ def test_admin_needs_its_own_token(server):
     ({}, None),
 ])
 def test_refused_patch_leaves_engine_unchanged(server, patch, param):
-    before = (knobs(server), server.engine.knobs.num_changes)
+    before = (knobs(server), server.engine.snapshot()["num_knob_changes"])
     r = httpx.patch(server.url + "/admin/scheduler", json=patch, headers=ADMIN)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
-    assert (knobs(server), server.engine.knobs.num_changes) == before
+    assert (knobs(server), server.engine.snapshot()["num_knob_changes"]) == before
 
 
 def test_patch_is_logged_with_old_and_new(server, caplog):
@@ -87,7 +87,7 @@ def _run_batch(srv, patch: dict | None) -> list[list[str]]:
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [asyncio.create_task(one(client, i)) for i in range(12)]
             if patch:
-                while srv.engine.stats.num_generated_tokens < 10:
+                while srv.engine.snapshot()["num_generated_tokens"] < 10:
                     await asyncio.sleep(0.005)
                 r = await client.patch(srv.url + "/admin/scheduler", json=patch, headers=ADMIN)
                 assert r.status_code == 200

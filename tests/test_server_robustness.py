@@ -247,7 +247,7 @@ def test_drain_timeout_bounds_shutdown(tiny_dir):
         async def main():
             async with httpx.AsyncClient(timeout=60) as client:
                 tasks = [asyncio.create_task(client.post(srv.url + "/v1/completions", json=LONG)) for _ in range(8)]
-                while srv.engine.stats.num_generated_tokens < 5:
+                while srv.engine.snapshot()["num_generated_tokens"] < 5:
                     await asyncio.sleep(0.01)
                 srv.state.begin_drain()
                 t0 = time.monotonic()
@@ -278,10 +278,18 @@ class _FailOnToken:
         return getattr(self.runner, name)
 
 
-def test_failing_step_fails_its_requests_not_the_server(server):
-    engine = server.engine
-    real = engine.model_runner
-    engine.core.model_runner = _FailOnToken(real, token=299)
+@pytest.fixture(scope="module")
+def server_with_core_in_reach(tiny_dir):
+    """The engine core in a thread of the test process, so a fault can be injected into its runner."""
+    with InProcessServer(tiny_dir, model_name=MODEL, kv_cache_memory="16MiB", core_in_process=True) as srv:
+        yield srv
+
+
+def test_failing_step_fails_its_requests_not_the_server(server_with_core_in_reach):
+    server = server_with_core_in_reach
+    core = server.core
+    real = core.model_runner
+    core.model_runner = _FailOnToken(real, token=299)
     try:
         r = _send(server.url, "/v1/completions", {**_VALID, "prompt": [299, 1]})
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
@@ -290,7 +298,7 @@ def test_failing_step_fails_its_requests_not_the_server(server):
             events = [line for line in s.iter_lines() if line]
         assert any('"error"' in e for e in events) and events[-1] == "data: [DONE]"
     finally:
-        engine.core.model_runner = real
+        core.model_runner = real
     assert _send(server.url, "/v1/completions", _VALID).status_code == 200
     wait_idle(server.url)
     assert metric_value(metrics(server.url), "iterserve:engine_step_failures_total") >= 2

@@ -21,7 +21,7 @@ KNOB_LIMIT = 2**20  # far above any useful value; keeps a typo from reaching the
 
 
 def ranges(state: ServerState) -> dict[str, dict[str, int]]:
-    max_len = state.engine.engine.max_model_len
+    max_len = state.engine.max_model_len
     return {
         "max_num_seqs": {"min": 1, "max": KNOB_LIMIT},
         "max_num_batched_tokens": {"min": 1, "max": KNOB_LIMIT},
@@ -30,12 +30,11 @@ def ranges(state: ServerState) -> dict[str, dict[str, int]]:
 
 
 def describe(state: ServerState) -> dict:
-    engine = state.engine.engine
-    return {"knobs": engine.knobs.value.as_dict(), "ranges": ranges(state),
-            "num_changes": engine.knobs.num_changes}
+    return {"knobs": state.engine.knobs.as_dict(), "ranges": ranges(state),
+            "num_changes": state.engine.snapshot()["num_knob_changes"]}
 
 
-def apply(state: ServerState, patch: KnobsPatch) -> dict:
+async def apply(state: ServerState, patch: KnobsPatch) -> dict:
     changes = patch.model_dump(exclude_none=True)
     if not changes:
         raise APIError(400, "give at least one of max_num_seqs, max_num_batched_tokens, prefill_chunk_size",
@@ -45,9 +44,9 @@ def apply(state: ServerState, patch: KnobsPatch) -> dict:
         lo, hi = limits[name]["min"], limits[name]["max"]
         if not lo <= value <= hi:
             raise APIError(400, f"{name}: must be in [{lo}, {hi}], got {value}", param=name, code="invalid_value")
-    old = state.engine.engine.knobs.value
+    old = state.engine.knobs
     try:
-        new = state.engine.update_knobs(**changes)
+        new = await state.engine.update_knobs(**changes)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
     diff = {k: (getattr(old, k), v) for k, v in new.as_dict().items() if getattr(old, k) != v}

@@ -19,7 +19,7 @@ from iterserve.server.api.errors import APIError, install_error_handlers
 from iterserve.server.api.protocol import ChatCompletionRequest, CompletionRequest, KnobsPatch
 from iterserve.server.api.responses import chat_body, completion_body, stream_events
 from iterserve.server.api.serving import ServerState, collect, prepare_chat, prepare_completion, start
-from iterserve.server.engine.async_engine import EngineStepError, EngineStoppedError
+from iterserve.server.engine.core_client import EngineStepError, EngineStoppedError
 
 
 def _bearer(request: Request) -> str | None:
@@ -54,13 +54,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"} if state.engine.is_running else _unavailable("the engine loop is not running")
+        return {"status": "ok"} if state.engine.is_running else _unavailable("the engine is not running")
 
     @app.get("/ready")
     async def ready():
         if state.draining:
             return _unavailable("draining")
-        return {"status": "ready"} if state.engine.is_running else _unavailable("the engine loop is not running")
+        return {"status": "ready"} if state.engine.is_running else _unavailable("the engine is not running")
 
     @app.get("/metrics")
     async def metrics():
@@ -69,7 +69,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(api_key)])
     async def models():
-        engine = state.engine.engine
+        engine = state.engine
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "iterserve",
             "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}]}
@@ -88,7 +88,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.patch("/admin/scheduler", dependencies=[Depends(admin_token)])
     async def patch_scheduler(body: KnobsPatch):
-        return admin.apply(state, body)
+        return await admin.apply(state, body)
 
     return app
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from iterserve.server.engine.async_engine import AsyncEngine, StepInfo
+from iterserve.server.engine.core_client import EngineClient, StepInfo
 
 # vLLM's bucket lists (vllm/v1/metrics/loggers.py) ...
 VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -44,13 +44,13 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine = engine
         self.model_name = model_name
         self.registry = r = CollectorRegistry()
         labels = ["model_name", "engine"]
         lv = (model_name, "0")
-        tokens = build_1_2_5_buckets(engine.engine.max_model_len)
+        tokens = build_1_2_5_buckets(engine.max_model_len)
 
         def gauge(name, doc):
             return Gauge(name, doc, labels, registry=r).labels(*lv)

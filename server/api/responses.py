@@ -12,7 +12,7 @@ import json
 from collections.abc import AsyncIterator
 
 from iterserve.server.api.serving import Job, ServerState, merged_outputs
-from iterserve.server.engine.async_engine import EngineStepError, EngineStoppedError
+from iterserve.server.engine.core_client import EngineStepError, EngineStoppedError
 from iterserve.server.engine.outputs import RequestOutput
 
 
@@ -23,7 +23,7 @@ def usage(job: Job, completion_tokens: int) -> dict:
 
 
 def _token_texts(state: ServerState, ids: list[int]) -> list[str]:
-    tok = state.engine.engine.tokenizer
+    tok = state.engine.tokenizer
     if tok is None:
         return [f"token_id:{t}" for t in ids]
     return [tok.decode([t], skip_special_tokens=False) for t in ids]

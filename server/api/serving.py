@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from iterserve.server.api.errors import APIError, from_invalid_request
 from iterserve.server.api.protocol import SEED_MAX, ChatCompletionRequest, CompletionRequest
-from iterserve.server.engine.async_engine import AsyncEngine
+from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -27,7 +27,7 @@ MAX_CHOICES = 1024  # prompts x n of one HTTP request: more is a batch job, not 
 class ServerState:
     """Everything the routes share: the engine, the served name and the admission settings."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     max_queue: int | None = None  # refuse with 429 when this many requests wait
     api_key: str | None = None
@@ -90,7 +90,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Job:
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer and so no chat template; use /v1/completions "
                        "with token ids", param="messages")
@@ -115,7 +115,7 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt: must not be empty", param="prompt")
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     ids = []
     for p in prompt:
         if isinstance(p, str):
@@ -131,7 +131,7 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: list[list[int]],
               max_tokens: int | None, *, default_max_tokens: int | None, top_logprobs: int | None) -> Job:
     """top_logprobs: None for no logprobs, else how many alternatives to list per token (0: none)."""
-    engine = state.engine.engine
+    engine = state.engine
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{prompt_param}: {len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} "
                        f"completions; at most {MAX_CHOICES} per request", param=prompt_param)

@@ -74,6 +74,9 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.unfinished_request_ids()
+
     # -- the loop (engine thread) ----------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:

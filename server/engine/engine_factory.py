@@ -1,4 +1,5 @@
-"""Build an LLMEngine from an EngineConfig: pick device and dtype, load the model, size the KV pool."""
+"""Build an engine core from an EngineConfig (pick device and dtype, load the model, size the KV pool),
+and the in-process LLMEngine around it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import os
 
 import torch
 
+from dataclasses import dataclass
+
 from iterserve.server.config import EngineConfig, parse_memory
+from iterserve.server.engine.core import EngineCore
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.engine.sampling_params import InvalidRequestError
 from iterserve.server.model.loader import load_model
@@ -58,7 +62,22 @@ def _free_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+@dataclass
+class BuiltCore:
+    core: EngineCore
+    tokenizer: object | None
+    vocab_size: int
+    kv_cache_report: str
+
+
 def build_engine(config: EngineConfig) -> LLMEngine:
+    built = build_engine_core(config)
+    engine = LLMEngine.from_core(built.core, built.tokenizer, built.vocab_size)
+    engine.kv_cache_report = built.kv_cache_report
+    return engine
+
+
+def build_engine_core(config: EngineConfig) -> BuiltCore:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.num_threads:
@@ -89,25 +108,23 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise InvalidRequestError(
             "kv_cache_memory", f"{budget} bytes is less than one KV block ({bytes_per_block} bytes)"
         )
-    engine = LLMEngine(
-        runner,
-        tokenizer=tokenizer,
-        max_model_len=max_model_len,
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        knobs=config.initial_knobs(),
-        policy=config.policy,
-        eos_token_ids=_eos_ids(mc, tokenizer),
-        vocab_size=mc.vocab_size,
-    )
+    core = EngineCore(runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=config.block_size,
+                      knobs=config.initial_knobs(), policy=config.policy, eos_token_ids=_eos_ids(mc, tokenizer))
     runner.allocate_kv_cache(num_blocks)
-    engine.kv_cache_report = (
+    report = (
         f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} tokens, "
         f"{num_blocks * bytes_per_block / 2**20:.0f} MiB ({dtype}, {device}); max_model_len {max_model_len}; "
         f"attention {backend}{', CUDA graphs' if runner.use_cuda_graphs else ''}"
     )
-    logger.info(engine.kv_cache_report)
-    return engine
+    logger.info(report)
+    return BuiltCore(core, tokenizer, mc.vocab_size, report)
+
+
+def load_config_tokenizer(config: EngineConfig):
+    """The tokenizer of the model `config` names, without loading its weights (the server's side)."""
+    from iterserve.server.model.loader import resolve_model_path
+
+    return _load_tokenizer(config, resolve_model_path(config.model)[1])
 
 
 def _load_tokenizer(config: EngineConfig, resolved_path: str):

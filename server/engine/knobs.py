@@ -29,6 +29,14 @@ class SchedulerKnobs:
         return dataclasses.asdict(self)
 
 
+def validate_change(current: SchedulerKnobs, changes: dict[str, int]) -> SchedulerKnobs:
+    """The knobs after `changes`, or InvalidRequestError naming the first bad field; nothing applied."""
+    unknown = set(changes) - {f.name for f in dataclasses.fields(SchedulerKnobs)}
+    if unknown:
+        raise InvalidRequestError(sorted(unknown)[0], "unknown scheduler knob")
+    return dataclasses.replace(current, **changes)  # validates
+
+
 class LiveKnobs:
     """Holds the current SchedulerKnobs; `update` validates a change as a whole before applying it."""
 
@@ -42,12 +50,8 @@ class LiveKnobs:
         return self._value
 
     def update(self, **changes: int) -> SchedulerKnobs:
-        unknown = set(changes) - {f.name for f in dataclasses.fields(SchedulerKnobs)}
-        if unknown:
-            name = sorted(unknown)[0]
-            raise InvalidRequestError(name, "unknown scheduler knob")
         with self._lock:
-            new = dataclasses.replace(self._value, **changes)  # validates; raises before anything changes
+            new = validate_change(self._value, changes)  # raises before anything changes
             if new != self._value:
                 self.num_changes += 1
             self._value = new

@@ -10,9 +10,9 @@ from other threads; they take effect at the next step.
 from __future__ import annotations
 
 import threading
-import uuid
 
 from iterserve.server.engine.core import EngineCore
+from iterserve.server.engine.input_processor import InputProcessor
 from iterserve.server.engine.knobs import SchedulerKnobs
 from iterserve.server.engine.output_processor import OutputProcessor
 from iterserve.server.engine.outputs import RequestOutput
@@ -23,19 +23,30 @@ from iterserve.server.engine.sampling_params import InvalidRequestError, Samplin
 class LLMEngine:
     def __init__(self, model_runner, *, tokenizer, max_model_len: int, num_blocks: int, block_size: int,
                  knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(), vocab_size: int):
-        self.core = EngineCore(model_runner, max_model_len=max_model_len, num_blocks=num_blocks,
-                               block_size=block_size, knobs=knobs, policy=policy, eos_token_ids=eos_token_ids)
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.output_processor = OutputProcessor(tokenizer)
-        self._enqueue_lock = threading.Lock()
+        core = EngineCore(model_runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
+                          knobs=knobs, policy=policy, eos_token_ids=eos_token_ids)
+        self._wrap(core, tokenizer, vocab_size)
+
+    @classmethod
+    def from_core(cls, core: EngineCore, tokenizer, vocab_size: int) -> "LLMEngine":
+        engine = cls.__new__(cls)
+        engine._wrap(core, tokenizer, vocab_size)
+        return engine
 
     @classmethod
     def from_config(cls, config) -> "LLMEngine":
         from iterserve.server.engine.engine_factory import build_engine
 
         return build_engine(config)
+
+    def _wrap(self, core: EngineCore, tokenizer, vocab_size: int) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.max_model_len = core.max_model_len
+        self.vocab_size = vocab_size
+        self.input_processor = InputProcessor(tokenizer, core.max_model_len, vocab_size)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._enqueue_lock = threading.Lock()
 
     # the core's parts, for metrics, benchmarks and tests
     model_runner = property(lambda self: self.core.model_runner)
@@ -59,19 +70,8 @@ class LLMEngine:
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      priority: int = 0) -> Request:
         """Validate a request without queueing it (raises InvalidRequestError naming the field)."""
-        params = sampling_params or SamplingParams()
-        ids = self._prompt_ids(prompt, prompt_token_ids)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate"
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
-        return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling_params=params,
-                       priority=priority)
+        return self.input_processor.make_request(prompt, sampling_params, prompt_token_ids=prompt_token_ids,
+                                                 request_id=request_id, priority=priority)
 
     def enqueue(self, req: Request) -> None:
         """Queue a validated request. Its id must not belong to a request still in the engine (one
@@ -101,22 +101,3 @@ class LLMEngine:
         for request_id in stopped:  # finished by a stop string: the core frees it at the next step
             self.core.abort_request(request_id)
         return outputs
-
-    # -- helpers ---------------------------------------------------------------------------------
-
-    def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
-        if prompt_token_ids is None:
-            if not isinstance(prompt, str):
-                raise InvalidRequestError("prompt", f"must be a string or token ids, got {type(prompt).__name__}")
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            if self.tokenizer is None:
-                raise InvalidRequestError("prompt", "this model has no tokenizer: pass prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError("prompt", f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        return ids

@@ -93,6 +93,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._new_requests or self._abort_ids)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request added and not finished, including those not drained from the inbox yet."""
+        return [*self._live, *(r.request_id for r in list(self._new_requests))]
+
     def num_waiting_requests(self) -> int:
         """Waiting requests, including those added since the last step (for admission control)."""
         return len(self.waiting) + len(self._new_requests)

@@ -1,5 +1,8 @@
 """`iterserve serve`: the OpenAI-compatible HTTP server (uvicorn), with graceful drain on SIGTERM.
 
+The engine core runs in a child process (engine/core_client.py); this process serves HTTP, tokenizes
+and detokenizes. The core exits with the server, and a core that dies makes /health fail.
+
 SIGTERM does not stop uvicorn at once: readiness fails, new requests get 503 (the socket stays open,
 so a client that still reaches the pod gets an answer, not a refused connection), and the requests in
 flight run to completion; when none is left, or --drain-timeout seconds have passed, the server shuts
@@ -64,14 +67,12 @@ def _validate(args) -> None:
 
 def build_server_state(engine, model_name: str, *, max_queue: int | None = None, api_key: str | None = None,
                        admin_token: str | None = None):
-    """The engine loop, metrics and shared state of one server (also used by the tests)."""
+    """The metrics and shared state of one server around a started EngineClient (also used by the tests)."""
     from iterserve.server.api.metrics import Metrics
     from iterserve.server.api.serving import ServerState
-    from iterserve.server.engine.async_engine import AsyncEngine
 
-    async_engine = AsyncEngine(engine)
-    state = ServerState(async_engine, model_name, max_queue=max_queue, api_key=api_key, admin_token=admin_token)
-    state.metrics = Metrics(async_engine, model_name)
+    state = ServerState(engine, model_name, max_queue=max_queue, api_key=api_key, admin_token=admin_token)
+    state.metrics = Metrics(engine, model_name)
     return state
 
 
@@ -111,17 +112,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         _validate(args)
         config = engine_config_from_args(args)
-        from iterserve.server.engine.llm_engine import LLMEngine  # imports torch: only once args are good
+        from iterserve.server.engine.core_client import EngineClient  # heavy imports: only once args are good
 
-        engine = LLMEngine.from_config(config)
+        engine = EngineClient(config, log_level=args.log_level)
+        engine.start()
     except (InvalidRequestError, FileNotFoundError, ValueError) as e:
         print(f"iterserve serve: error: {e}", file=sys.stderr)
         return 2
     from iterserve.server.api.app import create_app
 
+    logger.info(engine.kv_cache_report)
     state = build_server_state(engine, served_model_name(args.model, args.served_model_name),
                                max_queue=args.max_queue, api_key=args.api_key, admin_token=args.admin_token)
-    state.engine.start()
     server = make_uvicorn_server(create_app(state), state, host=args.host, port=args.port,
                                  drain_timeout=args.drain_timeout, log_level=args.log_level)
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)

@@ -1,0 +1,358 @@
+"""`EngineClient`: the server's handle on the engine core, which runs in its own process.
+
+The HTTP side (an asyncio event loop) never runs a step. It validates a request (InputProcessor),
+registers the asyncio queue its outputs go to, and sends it to the core; a receiver thread takes the
+core's step reports, detokenizes them (OutputProcessor), aborts in the core what a stop string ended,
+and hands each output to the event loop that asked for it, one `call_soon_threadsafe` per loop and
+step. Metrics observers see every step there. `in_process=True` runs the same core loop in a thread of
+this process instead (tests that reach into the engine; debugging), over the same messages.
+
+A step that raises fails the requests then in flight (each gets an `EngineStepError`, which the server
+turns into a 500 for that request alone); the core aborts them and carries on. A core process that dies
+fails every request in flight with `EngineStoppedError` and leaves `is_running` false, so /health fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from iterserve.server.config import EngineConfig
+from iterserve.server.engine.channels import QueueChannel, ZmqChannel
+from iterserve.server.engine.input_processor import InputProcessor
+from iterserve.server.engine.knobs import SchedulerKnobs, validate_change
+from iterserve.server.engine.messages import (Abort, AddRequest, FromCore, KnobsReply, Ready, Shutdown,
+                                              StartupFailed, StepFailed, StepReport, UpdateKnobs)
+from iterserve.server.engine.output_processor import OutputProcessor
+from iterserve.server.engine.outputs import RequestOutput
+from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger("iterserve.engine")
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while this request was in flight; the request is aborted."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is not running (not started, shut down, or its process died)."""
+
+
+@dataclass
+class StepInfo:
+    """What one step did, for metrics observers (called on the receiver thread)."""
+
+    outputs: list[RequestOutput]
+    num_prompt_tokens: int  # prompt tokens computed this step (recomputation included)
+    num_generation_tokens: int
+    num_preemptions: int  # preemptions during this step
+    duration: float  # seconds the step took
+    end_time: float  # time.monotonic() at the end of the step
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, *, in_process: bool = False, log_level: str = "warning"):
+        self.config = config
+        self.in_process = in_process
+        self.log_level = log_level
+        self.core = None  # the EngineCore itself, in-process only
+        self.step_observers: list[Callable[[StepInfo], None]] = []
+        self.num_step_failures = 0
+        # request id -> (event loop, queue) of the coroutine awaiting its outputs
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # _streams and the output processor
+        self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe
+        self._knob_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._alive = False
+        self._stopping = False
+        self._proc: subprocess.Popen | None = None
+        self._core_thread: threading.Thread | None = None
+        self._tmp: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine core and wait until it is ready. A bad model or flag raises what building
+        the engine raises (InvalidRequestError, FileNotFoundError, ValueError), naming it."""
+        ready, tokenizer = self._start_thread_core() if self.in_process else self._start_process_core()
+        self.tokenizer = tokenizer
+        self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.kv_cache_report = ready.kv_cache_report
+        self._snapshot = ready.snapshot
+        self.input_processor = InputProcessor(tokenizer, ready.max_model_len, ready.vocab_size)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._alive = True
+        self._receiver = threading.Thread(target=self._receive_loop, name="iterserve-engine-client", daemon=True)
+        self._receiver.start()
+
+    def _start_thread_core(self) -> tuple[Ready, object]:
+        from iterserve.server.engine.core_proc import EngineCoreLoop, ready_message
+        from iterserve.server.engine.engine_factory import build_engine_core
+
+        built = build_engine_core(self.config)
+        self.core = built.core
+        self._channel, core_end = QueueChannel.pair()
+        loop = EngineCoreLoop(built.core, core_end)
+        self._core_thread = threading.Thread(target=loop.run, name="iterserve-engine-core", daemon=True)
+        self._core_thread.start()
+        return ready_message(built, loop.snapshot()), built.tokenizer
+
+    def _start_process_core(self) -> tuple[Ready, object]:
+        from iterserve.server.engine.core_proc import raise_startup_failure
+        from iterserve.server.engine.engine_factory import load_config_tokenizer
+
+        self._tmp = tempfile.mkdtemp(prefix="iterserve-core-")
+        to_core, from_core = f"ipc://{self._tmp}/to-core", f"ipc://{self._tmp}/from-core"
+        self._channel = ZmqChannel(to_core, from_core, FromCore, bind=True)
+        self._proc = subprocess.Popen([
+            sys.executable, "-m", "iterserve.server.engine.core_proc", "--input", to_core, "--output", from_core,
+            "--config", msgspec.json.encode(self.config).decode(), "--log-level", self.log_level])
+        try:
+            tokenizer = load_config_tokenizer(self.config)  # while the core loads the weights
+            while True:
+                for message in self._channel.receive(0.5):
+                    if isinstance(message, Ready):
+                        return message, tokenizer
+                    if isinstance(message, StartupFailed):
+                        raise_startup_failure(message)
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"the engine core exited with status {self._proc.returncode} before it "
+                                       "was ready (its log is above)")
+        except BaseException:
+            self._stop_core(timeout=5)
+            raise
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        if self._alive:
+            self._send(Shutdown())
+        if getattr(self, "_receiver", None) is not None:
+            self._receiver.join(timeout)
+        self._stop_core(timeout)
+        self._alive = False
+        self._fail_all(EngineStoppedError("the engine was shut down"))
+
+    def _stop_core(self, timeout: float) -> None:
+        if self._core_thread is not None:
+            self._core_thread.join(timeout)
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._alive and not self._stopping
+
+    # -- requests (event loop side) --------------------------------------------------------------
+
+    def make_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, **kw):
+        """Validate a request without queueing it (raises InvalidRequestError naming the field)."""
+        return self.input_processor.make_request(prompt, sampling_params, **kw)
+
+    def open_stream(self, request_id: str, prompt, sampling_params, *, prompt_token_ids=None,
+                    priority: int = 0) -> asyncio.Queue:
+        """Add a request now (raising InvalidRequestError at once) and return the queue its outputs
+        arrive on."""
+        if not self.is_running:
+            raise EngineStoppedError("the engine is not running")
+        req = self.make_request(prompt, sampling_params, prompt_token_ids=prompt_token_ids, request_id=request_id,
+                                priority=priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams or self.output_processor.has_request(request_id):
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            # registered before the core can see the request, so no output can be missed
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self.output_processor.add_request(request_id, req.prompt_token_ids, req.sampling_params,
+                                              req.arrival_time)
+        self._send(AddRequest(request_id, req.prompt_token_ids, req.sampling_params, req.priority, req.arrival_time))
+        return queue
+
+    async def stream_outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield one opened request's outputs. If the consumer stops early (its client went away: the
+        task is cancelled or the iterator closed), the request is aborted and its KV blocks are freed
+        at the core's next step."""
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already forgot it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; nothing more is delivered for it."""
+        with self._lock:
+            known = self._streams.pop(request_id, None) is not None
+        if known and self._alive:
+            self._send(Abort([request_id]))
+
+    def abort_all(self, reason: str) -> int:
+        """Fail every request in flight with EngineStoppedError(reason) and abort it in the core (the
+        end of a drain that ran out of time). Returns how many there were."""
+        failed = self._fail_all(EngineStoppedError(reason))
+        if failed and self._alive:
+            self._send(Abort(failed))
+        return len(failed)
+
+    async def update_knobs(self, **changes: int) -> SchedulerKnobs:
+        """Validate a knob change as a whole, and apply it in the core (from its next step on)."""
+        validate_change(self.knobs, changes)  # refused here, at once, without a round trip
+        loop = asyncio.get_running_loop()
+        call_id, future = next(self._call_ids), loop.create_future()
+        self._knob_calls[call_id] = (loop, future)
+        self._send(UpdateKnobs(call_id, dict(changes)))
+        reply: KnobsReply = await future
+        if reply.knobs is None:
+            raise InvalidRequestError(reply.error_param or "knobs", reply.error_message or "refused")
+        return SchedulerKnobs(**reply.knobs)
+
+    # -- state (any thread) ----------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added through this client whose final output has not been delivered yet."""
+        return len(self._streams)
+
+    @property
+    def knobs(self) -> SchedulerKnobs:
+        return SchedulerKnobs(**self._snapshot.knobs)
+
+    def snapshot(self) -> dict:
+        """The core's state after its latest step, for metrics and admission. `num_waiting` counts the
+        requests accepted here and not yet running in the core, so a request counts from the moment it
+        is accepted, not from the core's next step."""
+        s = self._snapshot
+        return {"num_running": s.num_running, "num_waiting": max(0, self.num_in_flight - s.num_running),
+                "kv_cache_usage": s.kv_cache_usage, "kv_waste": s.kv_waste, "num_preemptions": s.num_preemptions,
+                "knobs": self.knobs, "num_knob_changes": s.num_knob_changes, "num_steps": s.num_steps,
+                "num_generated_tokens": s.num_generated_tokens, "num_step_failures": self.num_step_failures}
+
+    # -- the receiver thread ---------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        while not self._stopping:
+            messages = self._channel.receive(0.5)
+            for message in messages:
+                try:
+                    self._on_message(message)
+                except Exception:  # noqa: BLE001 - a bad report must not stop the deliveries
+                    logger.exception("handling an engine core message failed")
+            if not messages and not self._core_alive() and not self._stopping:
+                code = self._proc.returncode if self._proc is not None else None
+                logger.error("the engine core stopped (exit status %s); failing every request in flight", code)
+                self._alive = False
+                self._fail_all(EngineStoppedError(f"the engine core stopped (exit status {code})"))
+                for loop, future in self._knob_calls.values():
+                    _call_soon(loop, _set_exception, future, EngineStoppedError("the engine core stopped"))
+                return
+
+    def _core_alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return self._core_thread is not None and self._core_thread.is_alive()
+
+    def _on_message(self, message) -> None:
+        if isinstance(message, StepReport):
+            self._snapshot = message.snapshot
+            with self._lock:
+                outputs, stopped = self.output_processor.process(message.outputs)
+            if stopped:
+                self._send(Abort(stopped))  # ended by a stop string: the core frees them at its next step
+            self._deliver(outputs)
+            if message.stats is not None:
+                self._observe(StepInfo(outputs, *msgspec.structs.astuple(message.stats)))
+        elif isinstance(message, KnobsReply):
+            loop, future = self._knob_calls.pop(message.call_id)
+            _call_soon(loop, _set_result, future, message)
+        elif isinstance(message, StepFailed):
+            self.num_step_failures += 1
+            self._snapshot = message.snapshot
+            error = EngineStepError(message.message)
+            with self._lock:
+                streams = {rid: self._streams.pop(rid) for rid in message.request_ids if rid in self._streams}
+            self._put(streams.values(), error)
+
+    def _observe(self, info: StepInfo) -> None:
+        for observe in self.step_observers:
+            try:
+                observe(info)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
+                logger.exception("step observer failed")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is None:
+                    continue  # aborted by its consumer; its last outputs go nowhere
+                if out.finished:
+                    del self._streams[out.request_id]
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _fail_all(self, error: BaseException) -> list[str]:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        self._put(streams.values(), error)
+        return list(streams)
+
+    def _put(self, streams, item) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, queue in streams:
+            by_loop.setdefault(loop, []).append((queue, item))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._channel.send(message)
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass  # that event loop is closed: nobody is waiting any more

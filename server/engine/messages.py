@@ -1,0 +1,102 @@
+"""The messages between the server (frontend) and the engine core, typed, as msgpack over ZeroMQ.
+
+frontend -> core: AddRequest, Abort, UpdateKnobs, Shutdown.
+core -> frontend: Ready (or StartupFailed) once, then a StepReport per step (and after every knob
+change, so an idle engine's state is current), KnobsReply per UpdateKnobs, StepFailed when a step
+raised. Every request-level field is keyed by request id; nothing depends on positions.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from iterserve.server.engine.outputs import CoreOutput
+from iterserve.server.engine.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+    arrival_time: float  # time.monotonic() in the frontend (the clock is system-wide)
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class UpdateKnobs(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    changes: dict[str, int]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Snapshot(msgspec.Struct, array_like=True):
+    """The core's state after a step: for metrics gauges and admission control."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_waste: float
+    num_preemptions: int
+    knobs: dict[str, int]
+    num_knob_changes: int
+    num_steps: int
+    num_generated_tokens: int
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """The engine core is built: the facts the frontend validates requests against."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    kv_cache_report: str
+    pid: int
+    snapshot: Snapshot  # the core's state before its first step (the knobs in force, above all)
+
+
+class StartupFailed(msgspec.Struct, tag=True, array_like=True):
+    """Building the engine failed on a user error; `param` names the flag when one is to blame."""
+
+    kind: str  # "invalid" (a bad flag), "not_found", "value"
+    param: str | None
+    message: str
+
+
+class StepStats(msgspec.Struct, array_like=True):
+    num_prompt_tokens: int  # prompt tokens computed this step (recomputation included)
+    num_generation_tokens: int
+    num_preemptions: int  # preemptions during this step
+    duration: float  # seconds the step took
+    end_time: float  # time.monotonic() at the end of the step
+
+
+class StepReport(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[CoreOutput]
+    stats: StepStats | None  # None for a report that ran no step (after a knob change)
+    snapshot: Snapshot
+
+
+class KnobsReply(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    knobs: dict[str, int] | None  # the knobs in force after the change; None if it was refused
+    error_param: str | None = None
+    error_message: str | None = None
+
+
+class StepFailed(msgspec.Struct, tag=True, array_like=True):
+    """A step raised; the core aborted every request it held (their ids) and carries on."""
+
+    message: str
+    request_ids: list[str]
+    snapshot: Snapshot
+
+
+ToCore = AddRequest | Abort | UpdateKnobs | Shutdown
+FromCore = Ready | StartupFailed | StepReport | KnobsReply | StepFailed
