@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,28 +13,49 @@
 #include <limits>
 #include <vector>
 
-namespace {
+#include "vec_exp.h"
 
-// Tokens scored before their weights are applied: the running max is raised and the accumulators
-// rescaled once per chunk rather than once per token, and a chunk's scores stay in L1.
-constexpr int64_t kChunk = 32;
+namespace {
 
 // Multiply-adds (per q.k or per p*v pass) below which a task is not worth a thread: torch's grain for
 // elementwise ops (at::internal::GRAIN_SIZE), an estimate here, not a measurement.
 constexpr int64_t kMinWorkPerTask = 32768;
 
-// The head_dim loops are `omp simd` so GCC vectorizes the reduction too (it may reorder the sum; plain
-// -O3 would not, since float addition is not associative). -march=native picks the vector width.
+// The head_dim loops are `omp simd` so GCC vectorizes them; -march=native picks the vector width. `D` is
+// a compile-time constant for the common head sizes (see attend's dispatch), so they unroll fully; 0
+// means a head size known only at run time (`n`).
+//
+// dot's sum across vector lanes is written out with intrinsics where the CPU has them: for an `omp simd`
+// reduction GCC adds the lanes one at a time, and those scalar adds took most of the kernel's time.
+template <int64_t D>
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (D > 0 && D % 16 == 0) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int64_t i = 16; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (D > 0 && D % 8 == 0) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (int64_t i = 8; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  }
+#endif
+  const int64_t len = D ? D : n;
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < len; ++i) s += a[i] * b[i];
   return s;
 }
 
+template <int64_t D>
 inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+  const int64_t len = D ? D : n;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < len; ++i) y[i] += a * x[i];
 }
 
 inline void scale_into(float* __restrict y, float a, const float* __restrict x, int64_t n) {
@@ -41,59 +63,92 @@ inline void scale_into(float* __restrict y, float a, const float* __restrict x, 
   for (int64_t i = 0; i < n; ++i) y[i] = a * x[i];
 }
 
+// Every cache line of [p, p + floats).
+inline void prefetch(const float* p, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i);
+}
+
 struct Shape {
   int64_t group, head_dim, num_kv_heads, block_size, table_width;
 };
 
-// Per-task scratch, allocated once per task rather than per (request, kv head).
+// Per-task scratch, allocated once per task rather than per item: the item's query heads (scaled),
+// their accumulators, one block's scores, and each head's running max and sum.
 struct Scratch {
   std::vector<float> q, acc, scores, max, sum;
-  std::vector<int64_t> rows;
-  explicit Scratch(const Shape& s)
-      : q(s.group * s.head_dim), acc(s.group * s.head_dim), scores(s.group * kChunk),
-        max(s.group), sum(s.group), rows(kChunk) {}
+  Scratch(const Shape& s, int64_t heads)
+      : q(heads * s.head_dim), acc(heads * s.head_dim), scores(heads * s.block_size), max(heads), sum(heads) {}
 };
 
-// The `group` query heads of one KV head of one request against its `len` cached tokens.
-void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
-            int64_t len, int64_t kv_head, float scale, const Shape& s, Scratch& w, float* out) {
-  const int64_t G = s.group, D = s.head_dim, bs = s.block_size;
+// The query heads of KV heads [h0, h1) of one request against its `len` cached tokens, one cache block
+// at a time. Blocks are the outer loop: a block's K rows (then its V rows) for every KV head of the item
+// lie in one contiguous stretch of the cache, so the kernel streams it front to back instead of reading
+// a third of each row per pass. A block's scores stay in L1; the running max is raised and the
+// accumulators rescaled once per block rather than once per token.
+template <int64_t kD>
+void attend_d(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t len,
+              int64_t h0, int64_t h1, float scale, const Shape& s, Scratch& w, float* out) {
+  const int64_t G = s.group, D = kD ? kD : s.head_dim, bs = s.block_size;
+  const int64_t rows = (h1 - h0) * G;  // query heads of this item, in order
   const int64_t slot_stride = s.num_kv_heads * D;
-  for (int64_t g = 0; g < G; ++g) scale_into(&w.q[g * D], scale, q + g * D, D);
-  std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  std::fill(w.max.begin(), w.max.end(), -std::numeric_limits<float>::infinity());
-  std::fill(w.sum.begin(), w.sum.end(), 0.f);
+  const float lo = iterserve::kExpLo, hi = iterserve::kExpHi;
+  for (int64_t r = 0; r < rows; ++r) scale_into(&w.q[r * D], scale, q + r * D, D);
+  std::fill(w.acc.begin(), w.acc.begin() + rows * D, 0.f);
+  std::fill(w.max.begin(), w.max.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(w.sum.begin(), w.sum.begin() + rows, 0.f);
 
-  for (int64_t start = 0; start < len; start += kChunk) {
-    const int64_t n = std::min(kChunk, len - start);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = start + i;
-      w.rows[i] = (table[t / bs] * bs + t % bs) * slot_stride + kv_head * D;
-    }
-    // Token-major, so each K row is read from memory once for all the group's heads.
-    for (int64_t i = 0; i < n; ++i) {
-      const float* k = k_cache + w.rows[i];
-      for (int64_t g = 0; g < G; ++g) w.scores[g * kChunk + i] = dot(&w.q[g * D], k, D);
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* p = &w.scores[g * kChunk];
-      const float new_max = std::max(w.max[g], *std::max_element(p, p + n));
-      float chunk_sum = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
-        p[i] = std::exp(p[i] - new_max);
-        chunk_sum += p[i];
+  const int64_t num_blocks = (len + bs - 1) / bs;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n = std::min(bs, len - b * bs);
+    const int64_t base = table[b] * bs * slot_stride + h0 * D;
+    const int64_t span = (n - 1) * slot_stride + (h1 - h0) * D;  // floats from the block's first row read
+    // V's rows of this block are fetched while its scores are computed, and the next block's K rows
+    // while V is applied: the hardware prefetcher does not follow a block table.
+    prefetch(v_cache + base, span);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* k = k_cache + base + t * slot_stride;
+      for (int64_t h = 0, r = 0; h < h1 - h0; ++h, k += D) {
+        for (int64_t g = 0; g < G; ++g, ++r) w.scores[r * bs + t] = dot<kD>(&w.q[r * D], k, D);
       }
-      const float correction = std::exp(w.max[g] - new_max);  // 0 on the first chunk (max = -inf)
-      if (correction != 1.f) scale_into(&w.acc[g * D], correction, &w.acc[g * D], D);
-      w.sum[g] = w.sum[g] * correction + chunk_sum;
-      w.max[g] = new_max;
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = v_cache + w.rows[i];
-      for (int64_t g = 0; g < G; ++g) axpy(&w.acc[g * D], w.scores[g * kChunk + i], v, D);
+    if (b + 1 < num_blocks) {
+      prefetch(k_cache + table[b + 1] * bs * slot_stride + h0 * D, (std::min(bs, len - (b + 1) * bs) - 1) * slot_stride + (h1 - h0) * D);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* p = &w.scores[r * bs];
+      float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
+      for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, p[t]);
+      const float new_max = std::max(w.max[r], block_max);
+      float block_sum = 0.f;
+      // vectorized exp: a scalar libm exp per score took most of the kernel's time
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t t = 0; t < n; ++t) {
+        p[t] = iterserve::exp_approx(p[t] - new_max, lo, hi);
+        block_sum += p[t];
+      }
+      const float correction = std::exp(w.max[r] - new_max);  // 0 on the first block (max = -inf)
+      if (correction != 1.f) scale_into(&w.acc[r * D], correction, &w.acc[r * D], D);
+      w.sum[r] = w.sum[r] * correction + block_sum;
+      w.max[r] = new_max;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = v_cache + base + t * slot_stride;
+      for (int64_t h = 0, r = 0; h < h1 - h0; ++h, v += D) {
+        for (int64_t g = 0; g < G; ++g, ++r) axpy<kD>(&w.acc[r * D], w.scores[r * bs + t], v, D);
+      }
     }
   }
-  for (int64_t g = 0; g < G; ++g) scale_into(out + g * D, 1.f / w.sum[g], &w.acc[g * D], D);
+  for (int64_t r = 0; r < rows; ++r) scale_into(out + r * D, 1.f / w.sum[r], &w.acc[r * D], D);
+}
+
+void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t len,
+            int64_t h0, int64_t h1, float scale, const Shape& s, Scratch& w, float* out) {
+  switch (s.head_dim) {
+    case 64: return attend_d<64>(q, k_cache, v_cache, table, len, h0, h1, scale, s, w, out);
+    case 128: return attend_d<128>(q, k_cache, v_cache, table, len, h0, h1, scale, s, w, out);
+    default: return attend_d<0>(q, k_cache, v_cache, table, len, h0, h1, scale, s, w, out);
+  }
 }
 
 }  // namespace
@@ -153,22 +208,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  // (request, kv head) items are handed out one at a time from a shared counter: requests differ in
-  // length, and an even split of the item range would leave one thread with all the long ones.
-  // Fewer tasks than threads when the work is too small to pay for waking them.
-  const int64_t items = n * num_kv_heads;
+  // Items are handed out one at a time from a shared counter: requests differ in length, and an even
+  // split of the item range would leave one thread with all the long ones. An item is a whole request
+  // (all its KV heads: one pass over its blocks) when there are as many requests as threads, else one
+  // KV head of a request, so that a lone long request still uses every thread. Fewer tasks than threads
+  // when the work is too small to pay for waking them.
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = n >= threads ? num_kv_heads : 1;
+  const int64_t items_per_request = num_kv_heads / heads_per_item;
+  const int64_t items = n * items_per_request;
   const int64_t work = total_tokens * num_heads * head_dim;
-  const int64_t num_tasks = std::max<int64_t>(
-      1, std::min({items, static_cast<int64_t>(at::get_num_threads()),
-                   work / kMinWorkPerTask}));
+  const int64_t num_tasks = std::max<int64_t>(1, std::min({items, threads, work / kMinWorkPerTask}));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {  // the counter, not the range, splits
-    Scratch scratch(shape);
+    Scratch scratch(shape, heads_per_item * shape.group);
     for (int64_t item = next++; item < items; item = next++) {
-      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t offset = (r * num_heads + h * shape.group) * head_dim;
-      attend(qp + offset, kp, vp, tables + r * shape.table_width, lens[r], h, fscale, shape, scratch,
-             op + offset);
+      const int64_t r = item / items_per_request, h0 = (item % items_per_request) * heads_per_item;
+      const int64_t offset = (r * num_heads + h0 * shape.group) * head_dim;
+      attend(qp + offset, kp, vp, tables + r * shape.table_width, lens[r], h0, h0 + heads_per_item, fscale,
+             shape, scratch, op + offset);
     }
   });
   return out;
