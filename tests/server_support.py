@@ -57,14 +57,15 @@ def free_port() -> int:
 
 class InProcessServer:
     def __init__(self, model: str | None, *, model_name: str = "test-model", max_queue=None, api_key=None,
-                 admin_token=None, drain_timeout: float = 10.0, **engine_options):
+                 admin_token=None, drain_timeout: float = 10.0, limits=None, scheduling_policy: str = "fcfs",
+                 **engine_options):
         from iterserve.server.api.app import create_app
         from iterserve.server.entrypoints.serve_cmd import build_server_state, make_uvicorn_server
 
         engine_options.setdefault("kv_cache_memory", "8MiB")
         self.engine = build_engine(EngineConfig(model=model, **engine_options))
         self.state = build_server_state(self.engine, model_name, max_queue=max_queue, api_key=api_key,
-                                        admin_token=admin_token)
+                                        admin_token=admin_token, limits=limits, scheduling_policy=scheduling_policy)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_uvicorn_server(create_app(self.state), self.state, host="127.0.0.1", port=self.port,

@@ -15,7 +15,7 @@ import pytest
 
 from tests.server_support import add_tiny_tokenizer, start_subprocess
 
-KEY = {"Authorization": "Bearer env-key"}
+KEY = {"Authorization": "Bearer env-key-for-the-tests"}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ async def _stream(client, url, started: asyncio.Event, counter: list) -> dict:
 
 def test_sigterm_drains_in_flight_and_exits_zero(tiny_dir):
     proc, url = start_subprocess("--model", tiny_dir, "--kv-cache-memory", "16MiB", "--drain-timeout", "60",
-                                 "--max-num-seqs", "4", env={"ITERSERVE_API_KEY": "env-key"})
+                                 "--max-num-seqs", "4", env={"ITERSERVE_API_KEY": "env-key-for-the-tests"})
     try:
         assert httpx.get(url + "/v1/models").status_code == 401  # the key came from the env
         assert httpx.get(url + "/v1/models", headers=KEY).status_code == 200
