@@ -184,6 +184,11 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
     """top_logprobs: None for no logprobs, else how many alternatives to list per token (0: none)."""
     engine = state.engine.engine
     max_len = engine.max_model_len
+    longest = max(len(p) for p in prompts)
+    if longest >= max_len:
+        raise APIError(400, f"{prompt_param}: the prompt has {longest} tokens; the context length "
+                       f"(max_model_len) is {max_len}, which leaves no room to generate",
+                       param=prompt_param, code="context_length_exceeded")
     total, limit = sum(len(p) for p in prompts) * req.n, state.limits.prompt_token_limit(max_len)
     if total > limit:
         raise APIError(400, f"{prompt_param}: the prompts come to {total} tokens to compute (each counted once per "
@@ -192,10 +197,6 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
     job_id = f"{prefix}-{uuid.uuid4().hex}"
     choices = []
     for p_index, ids in enumerate(prompts):
-        if len(ids) >= max_len:
-            raise APIError(400, f"{prompt_param}: the prompt has {len(ids)} tokens; the context length "
-                           f"(max_model_len) is {max_len}, which leaves no room to generate",
-                           param=prompt_param, code="context_length_exceeded")
         wanted = max_tokens if max_tokens is not None else (default_max_tokens or max_len - len(ids))
         if max_tokens is None:
             wanted = min(wanted, max_len - len(ids))
