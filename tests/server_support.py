@@ -82,6 +82,7 @@ class InProcessServer:
         self.server.should_exit = True
         self._thread.join(15)
         self.state.engine.shutdown()
+        self.state.prep_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:

@@ -9,15 +9,10 @@ import logging
 import httpx
 import pytest
 
-from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value
+from tests.server_support import InProcessServer, metric_value
 
 MODEL = "test-model"
 ADMIN = {"Authorization": "Bearer admin-secret-for-tests"}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 @pytest.fixture(scope="module")

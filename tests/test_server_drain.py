@@ -11,16 +11,10 @@ import sys
 import time
 
 import httpx
-import pytest
 
-from tests.server_support import add_tiny_tokenizer, start_subprocess
+from tests.server_support import start_subprocess
 
 KEY = {"Authorization": "Bearer env-key-for-the-tests"}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 async def _stream(client, url, started: asyncio.Event, counter: list) -> dict:

@@ -26,9 +26,9 @@ MAX_BYTES = 4 * 2**20  # the default --max-request-bytes
 
 
 def serve_exit(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("ITERSERVE_API_KEY", "ITERSERVE_ADMIN_TOKEN")}
     return subprocess.run([sys.executable, "-m", "iterserve.server.entrypoints.cli", "serve", *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "ITERSERVE_API_KEY": "", "ITERSERVE_ADMIN_TOKEN": "", **(env or {})})
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**base, **(env or {})})
 
 
 @pytest.mark.parametrize("args, env, named", [
@@ -38,7 +38,6 @@ def serve_exit(*args: str, env: dict | None = None) -> subprocess.CompletedProce
     ((), {"ITERSERVE_API_KEY": "short"}, "ITERSERVE_API_KEY"),
 ])
 def test_weak_secrets_stop_the_server_at_start(args, env, named):
-    env = {k: v for k, v in (env or {}).items()}
     r = serve_exit(*args, env=env)
     assert r.returncode == 2, r.stderr
     assert named in r.stderr and "Traceback" not in r.stderr

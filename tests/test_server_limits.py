@@ -14,18 +14,13 @@ import openai
 import pytest
 
 from iterserve.server.api.limits import ServerLimits
-from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value
+from tests.server_support import InProcessServer, metric_value
 
 MODEL = "test-model"
 KEY = "api-key-for-the-limit-tests"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BYTES = 256 * 1024
 LONG = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,9 @@ import httpx
 import openai
 import pytest
 
-from tests.server_support import InProcessServer, add_tiny_tokenizer
+from tests.server_support import InProcessServer
 
 MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,10 @@ import httpx
 import openai
 import pytest
 
-from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value, run_concurrent_clients
+from tests.server_support import InProcessServer, metric_value, run_concurrent_clients
 
 MODEL = "test-model"
 LONG = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 @pytest.fixture(scope="module")

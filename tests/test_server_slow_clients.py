@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from iterserve.server.api.limits import ServerLimits
-from tests.conftest import TINY, _save
+from tests.conftest import TINY, save_tiny
 from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value
 
 MODEL = "test-model"
@@ -26,7 +26,7 @@ def long_tiny_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-long")
-    _save(LlamaForCausalLM, LlamaConfig(**{**TINY, "max_position_embeddings": 4096}), path)
+    save_tiny(LlamaForCausalLM, LlamaConfig(**{**TINY, "max_position_embeddings": 4096}), path)
     return add_tiny_tokenizer(str(path), tmp_path_factory.mktemp("tiny-long-tok"))
 
 

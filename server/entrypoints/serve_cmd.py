@@ -141,4 +141,5 @@ def run(args: argparse.Namespace) -> int:
         server.run()
     finally:
         state.engine.shutdown()
+        state.prep_pool.shutdown(wait=False, cancel_futures=True)
     return 0
