@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
-from iterserve.server.engine.output_processor import RequestOutput
+from iterserve.server.engine.outputs import RequestOutput
 
 MERGE_AFTER = 16  # outputs of one choice waiting before later ones are merged into the last
 
