@@ -49,10 +49,10 @@ class EngineConfig:
         if self.policy not in POLICIES:
             raise InvalidRequestError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
         for name in ("block_size",):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_threads"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                check_positive_int(name, getattr(self, name))
         self.initial_knobs()  # validates the three live knobs
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
@@ -65,24 +65,24 @@ class EngineConfig:
         )
 
 
-def parse_memory(value: str | float | int) -> tuple[str, float]:
+def parse_memory(value: str | float | int, param: str = "kv_cache_memory") -> tuple[str, float]:
     """("fraction", f) for 0 < f < 1, else ("bytes", n). Accepts "2GiB", "512MB", "0.5", 1e9."""
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
-            raise InvalidRequestError("kv_cache_memory", f"expected bytes like '2GiB' or a fraction like 0.5, got {value!r}")
+            raise InvalidRequestError(param, f"expected bytes like '2GiB' or a fraction like 0.5, got {value!r}")
         number = float(m.group(1)) * _UNITS[m.group(2).lower()]
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
     else:
-        raise InvalidRequestError("kv_cache_memory", f"expected bytes or a fraction, got {value!r}")
+        raise InvalidRequestError(param, f"expected bytes or a fraction, got {value!r}")
     if 0 < number < 1:
         return "fraction", number
     if number < 1:
-        raise InvalidRequestError("kv_cache_memory", f"must be positive, got {value!r}")
+        raise InvalidRequestError(param, f"must be positive, got {value!r}")
     return "bytes", number
 
 
-def _positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidRequestError(name, f"must be an integer >= 1, got {value!r}")

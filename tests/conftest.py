@@ -20,7 +20,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
-def _save(model_cls, config, path):
+def save_tiny(model_cls, config, path):
     torch.manual_seed(0)
     model = model_cls(config).eval()
     # Random init gives near-uniform logits, where a last-bit difference could flip an argmax;
@@ -38,7 +38,7 @@ def tiny_llama(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(**TINY, tie_word_embeddings=False)
-    return str(path), _save(LlamaForCausalLM, config, path)
+    return str(path), save_tiny(LlamaForCausalLM, config, path)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +47,15 @@ def tiny_qwen2(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     config = Qwen2Config(**TINY, tie_word_embeddings=True)
-    return str(path), _save(Qwen2ForCausalLM, config, path)
+    return str(path), save_tiny(Qwen2ForCausalLM, config, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_llama, tmp_path_factory):
+    """The tiny Llama with a byte-level tokenizer and a chat template, for the server tests."""
+    from tests.server_support import add_tiny_tokenizer
+
+    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 @pytest.fixture(params=["llama", "qwen2"])

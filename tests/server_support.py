@@ -60,7 +60,8 @@ class InProcessServer:
     test can reach into it (`.core`, e.g. to inject a fault); everything else is the same."""
 
     def __init__(self, model: str | None, *, model_name: str = "test-model", max_queue=None, api_key=None,
-                 admin_token=None, drain_timeout: float = 10.0, core_in_process: bool = False, **engine_options):
+                 admin_token=None, drain_timeout: float = 10.0, limits=None, scheduling_policy: str = "fcfs",
+                 core_in_process: bool = False, **engine_options):
         from iterserve.server.api.app import create_app
         from iterserve.server.engine.core_client import EngineClient
         from iterserve.server.entrypoints.serve_cmd import build_server_state, make_uvicorn_server
@@ -70,7 +71,7 @@ class InProcessServer:
         self.engine.start()
         self.core = self.engine.core
         self.state = build_server_state(self.engine, model_name, max_queue=max_queue, api_key=api_key,
-                                        admin_token=admin_token)
+                                        admin_token=admin_token, limits=limits, scheduling_policy=scheduling_policy)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_uvicorn_server(create_app(self.state), self.state, host="127.0.0.1", port=self.port,
@@ -86,6 +87,7 @@ class InProcessServer:
         self.server.should_exit = True
         self._thread.join(15)
         self.state.engine.shutdown()
+        self.state.prep_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:

@@ -9,20 +9,15 @@ import logging
 import httpx
 import pytest
 
-from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value
+from tests.server_support import InProcessServer, metric_value
 
 MODEL = "test-model"
-ADMIN = {"Authorization": "Bearer admin-secret"}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
+ADMIN = {"Authorization": "Bearer admin-secret-for-tests"}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    with InProcessServer(tiny_dir, model_name=MODEL, api_key="user-key", admin_token="admin-secret",
+    with InProcessServer(tiny_dir, model_name=MODEL, api_key="user-key-for-tests", admin_token="admin-secret-for-tests",
                          max_num_seqs=2, kv_cache_memory="16MiB") as srv:
         yield srv
 
@@ -34,7 +29,7 @@ def knobs(srv) -> dict:
 def test_admin_needs_its_own_token(server):
     url = server.url + "/admin/scheduler"
     assert httpx.get(url).status_code == 401
-    assert httpx.get(url, headers={"Authorization": "Bearer user-key"}).status_code == 401  # API key is not enough
+    assert httpx.get(url, headers={"Authorization": "Bearer user-key-for-tests"}).status_code == 401  # API key is not enough
     assert httpx.patch(url, json={"max_num_seqs": 9}).status_code == 401
     assert httpx.patch(url, json={"max_num_seqs": 9}, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert knobs(server)["max_num_seqs"] == 2
@@ -74,7 +69,7 @@ def test_patch_is_logged_with_old_and_new(server, caplog):
 
 def _run_batch(srv, patch: dict | None) -> list[list[str]]:
     """12 concurrent greedy requests; with `patch`, the knobs change once the first tokens are out."""
-    headers = {"Authorization": "Bearer user-key"}
+    headers = {"Authorization": "Bearer user-key-for-tests"}
 
     async def one(client, i):
         body = {"model": MODEL, "prompt": list(range(1, 5 + 7 * i)), "max_tokens": 48, "temperature": 0,

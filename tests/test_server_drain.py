@@ -11,16 +11,10 @@ import sys
 import time
 
 import httpx
-import pytest
 
-from tests.server_support import add_tiny_tokenizer, start_subprocess
+from tests.server_support import start_subprocess
 
-KEY = {"Authorization": "Bearer env-key"}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
+KEY = {"Authorization": "Bearer env-key-for-the-tests"}
 
 
 async def _stream(client, url, started: asyncio.Event, counter: list) -> dict:
@@ -45,7 +39,7 @@ async def _stream(client, url, started: asyncio.Event, counter: list) -> dict:
 
 def test_sigterm_drains_in_flight_and_exits_zero(tiny_dir):
     proc, url = start_subprocess("--model", tiny_dir, "--kv-cache-memory", "16MiB", "--drain-timeout", "60",
-                                 "--max-num-seqs", "4", env={"ITERSERVE_API_KEY": "env-key"})
+                                 "--max-num-seqs", "4", env={"ITERSERVE_API_KEY": "env-key-for-the-tests"})
     try:
         assert httpx.get(url + "/v1/models").status_code == 401  # the key came from the env
         assert httpx.get(url + "/v1/models", headers=KEY).status_code == 200

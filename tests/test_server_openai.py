@@ -14,14 +14,9 @@ import httpx
 import openai
 import pytest
 
-from tests.server_support import InProcessServer, add_tiny_tokenizer
+from tests.server_support import InProcessServer
 
 MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 @pytest.fixture(scope="module")
@@ -181,12 +176,12 @@ def test_errors_as_client_exceptions(client):
 
 
 def test_api_key(tiny_dir):
-    with InProcessServer(tiny_dir, model_name=MODEL, api_key="sekret") as srv:
+    with InProcessServer(tiny_dir, model_name=MODEL, api_key="sekret-api-key-for-tests") as srv:
         bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
-        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret-api-key-for-tests", max_retries=0)
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
         assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
 

@@ -8,7 +8,7 @@ import pytest
 from iterserve.operator.tuning.act import PodCallError, get_scheduler, patch_scheduler
 from tests.server_support import add_tiny_tokenizer, free_port, metric_value, start_subprocess
 
-TOKEN = "admin-secret"
+TOKEN = "admin-secret-for-tests"
 
 
 @pytest.fixture(scope="module")

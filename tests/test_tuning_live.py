@@ -27,7 +27,7 @@ from iterserve.server.bench.workload import WorkloadSpec, parse_length
 from tests.prometheus_support import require_prometheus, start_prometheus
 from tests.server_support import add_tiny_tokenizer, start_subprocess
 
-TOKEN = "admin-secret"
+TOKEN = "admin-secret-for-tests"
 QUEUED = Knobs(max_num_seqs=1, max_num_batched_tokens=512, prefill_chunk_size=256)
 # 8 clients per pod, 64-token prompts, 32 tokens out: with one place in the batch, 7 requests wait
 WORKLOAD = WorkloadSpec("random", input_len=parse_length("64"), output_len=parse_length("32"))

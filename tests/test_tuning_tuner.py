@@ -18,7 +18,7 @@ from iterserve.operator.tuning.tuner import Tuner
 from tests.server_support import InProcessServer, add_tiny_tokenizer, free_port
 from tests.test_tuning_decide import GOOD_BUSY
 
-TOKEN = "admin-secret"
+TOKEN = "admin-secret-for-tests"
 START = Knobs(max_num_seqs=4, max_num_batched_tokens=512, prefill_chunk_size=128)
 POLICY = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, max_num_seqs_bounds=(1, 32), interval_s=1, window_s=1,
                       cooldown_s=0, min_samples=20, seqs_step=2)

@@ -2,6 +2,8 @@
 
 Auth: with an API key configured, every /v1 route needs `Authorization: Bearer KEY`; /admin needs the
 separate admin token; /health, /ready and /metrics are open (probes and scrapers carry no secrets).
+The completion routes check the key before they read the body (within `BodyLimit`), then hand it to
+the thread pool (`serving.prepare`); their OpenAPI bodies are declared from the pydantic models.
 A request whose client disconnects is aborted: a stream when Starlette cancels it, a non-streaming
 request through a watcher on the connection.
 """
@@ -13,12 +15,15 @@ import hmac
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from iterserve.server.api import admin
+from iterserve.server.api.body_limit import BodyLimit
 from iterserve.server.api.errors import APIError, install_error_handlers
-from iterserve.server.api.protocol import ChatCompletionRequest, CompletionRequest, KnobsPatch
+from iterserve.server.api.protocol import ChatCompletionRequest, CompletionRequest, KnobsPatch, openapi_body
+from iterserve.server.api.response_counter import ResponseCounter
 from iterserve.server.api.responses import chat_body, completion_body, stream_events
-from iterserve.server.api.serving import ServerState, collect, prepare_chat, prepare_completion, start
+from iterserve.server.api.serving import ServerState, collect, prepare_in_pool, start
 from iterserve.server.engine.core_client import EngineStepError, EngineStoppedError
 
 
@@ -41,7 +46,10 @@ def create_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible continuous-batching LLM server")
     app.state.iterserve = state
     install_error_handlers(app)
-    app.add_middleware(ResponseCounter, state=state)
+    on_body_timeout = (lambda: state.metrics.observe_cutoff("body_timeout")) if state.metrics else None
+    app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes, timeout=state.limits.body_timeout,
+                       on_timeout=on_body_timeout)
+    app.add_middleware(ResponseCounter, metrics=state.metrics)  # added last: the outermost
 
     def api_key(request: Request) -> None:
         _check_token(request, state.api_key, "API key")
@@ -74,13 +82,14 @@ def create_app(state: ServerState) -> FastAPI:
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "iterserve",
             "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(api_key)])
-    async def completions(body: CompletionRequest, request: Request):
-        return await _run(state, request, prepare_completion(state, body), chat=False)
+    @app.post("/v1/completions", dependencies=[Depends(api_key)], openapi_extra=openapi_body(CompletionRequest))
+    async def completions(request: Request):
+        return await _run(state, request, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _run(state, request, prepare_chat(state, body), chat=True)
+    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)],
+              openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        return await _run(state, request, chat=True)
 
     @app.get("/admin/scheduler", dependencies=[Depends(admin_token)])
     async def get_scheduler():
@@ -93,36 +102,16 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-class ResponseCounter:
-    """Counts each /v1 response by route and status code once its headers go out. A plain ASGI
-    middleware, not BaseHTTPMiddleware: that one would buffer the receive channel the disconnect
-    watcher reads and delay streamed chunks."""
-
-    def __init__(self, app, state: ServerState):
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or self.state.metrics is None:
-            return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in _V1_ROUTES else "other"
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.state.metrics.observe_response(route, message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
-_V1_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
-
-
 def _unavailable(reason: str) -> JSONResponse:
     return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
 
-async def _run(state: ServerState, request: Request, job, chat: bool):
+async def _run(state: ServerState, request: Request, chat: bool):
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        return Response(status_code=499)  # gone before its body was in: nothing was started
+    job = await prepare_in_pool(state, body, request.headers.get("content-type"), chat)
     try:
         queues = start(state, job)
     except EngineStoppedError as e:

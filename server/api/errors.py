@@ -1,12 +1,11 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the matching status.
 
 Every way a request can be refused ends here, including FastAPI's own body validation (a 422 by
-default, a 400 here as OpenAI answers) and malformed JSON, so clients see one error shape.
+default, a 400 here as OpenAI answers) and malformed JSON, so clients see one error shape. An exception
+nothing here handles is answered (500, same shape) by `response_counter`, which also counts it.
 """
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,10 +14,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from iterserve.server.engine.sampling_params import InvalidRequestError
 
-logger = logging.getLogger("iterserve.server")
-
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error",
           429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 
 # pydantic names union branches in an error's location (('prompt', 'str'), ...); they are not fields
@@ -37,8 +35,14 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else _printable(param), "code": code}}
+
+
+def _printable(text: str) -> str:
+    # a message or field name can quote the client's input, lone surrogates included, which UTF-8
+    # (the response's encoding) cannot carry
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -95,8 +99,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         # FastAPI raises these for bodies it cannot decode (e.g. invalid UTF-8), 404 routes, 405 methods
         return error_response(exc.status_code, str(exc.detail), None, None, getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}", None, "internal_error")

@@ -30,6 +30,7 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 N_BUCKETS = [1, 2, 5, 10, 20]
 FINISH_REASONS = ("stop", "length", "abort")
+CUTOFF_REASONS = ("header_timeout", "body_timeout", "stall_timeout", "reader_behind")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -126,6 +127,11 @@ class Metrics:
         # failed completion.
         self.http_responses = Counter("iterserve:http_responses", "HTTP responses to /v1 requests by route and code.",
                                       own + ["route", "code"], registry=r)
+        # Connections and streams cut because the client was too slow (api/limits.py): a head or body
+        # that did not arrive in time, a response nobody read, a stream whose reader fell too far behind.
+        cutoffs = Counter("iterserve:client_cutoffs", "Clients cut off for being too slow, by reason.",
+                          own + ["reason"], registry=r)
+        self.cutoffs = {reason: cutoffs.labels(model_name, reason) for reason in CUTOFF_REASONS}
         self._seen_knob_changes = 0
         self._seen_failures = 0
         self._last_token_time: dict[str, float] = {}  # engine thread only
@@ -142,6 +148,9 @@ class Metrics:
 
     def observe_response(self, route: str, code: int) -> None:
         self.http_responses.labels(self.model_name, route, str(code)).inc()
+
+    def observe_cutoff(self, reason: str) -> None:
+        self.cutoffs[reason].inc()
 
     def render(self, draining: bool) -> bytes:
         snap = self.engine.snapshot()

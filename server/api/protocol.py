@@ -3,14 +3,21 @@
 Scalars are strict (`"5"` is not an integer, `true` is not a number) and unknown fields are refused:
 a silently ignored parameter is a wrong answer the client cannot see. Fields that OpenAI clients send
 by default but this server does not implement (penalties, echo) are accepted only at their neutral
-value. Range checks that depend on the model (max_tokens against max_model_len) live in `serving`.
+value. Text must be valid Unicode (a lone surrogate or an undecodable byte is refused, naming the field).
+Counts that would cost the server work out of proportion to a request (prompts, messages, stop token ids)
+are capped here; range checks that depend on the model or the deployment (max_tokens against
+max_model_len, total prompt tokens) live in `serving`.
+
+Bodies are parsed by `parse_body`, off the event loop, rather than by FastAPI on it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import json
+from typing import Annotated, Literal, TypeVar, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, field_validator
 
 
 def _number(value):
@@ -22,14 +29,31 @@ def _number(value):
     return value
 
 
+def _unicode(value: str) -> str:
+    # JSON can carry a lone surrogate (\ud800), and `parse_body` maps undecodable bytes to lone
+    # surrogates; neither can be tokenized or written back out as UTF-8
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"invalid Unicode at character {e.start} (a lone surrogate or a byte that is "
+                             "not UTF-8); send UTF-8 text") from None
+    return value
+
+
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
+Str = Annotated[str, Strict(), AfterValidator(_unicode)]
 Float = Annotated[float, BeforeValidator(_number), Field(allow_inf_nan=False)]
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_CHOICES = 1024  # prompts x n of one request: more is a batch job, not one request
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 256  # text parts of one message
+MAX_LOGPROBS = 20  # OpenAI's limit on logprobs / top_logprobs
 
 
 class _Model(BaseModel):
@@ -49,7 +73,8 @@ class _Common(_Model):
     top_k: Int | None = Field(default=None, ge=-1)
     seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: Str | list[Str] | None = None
-    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(default=None,
+                                                                               max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: Bool = False
     n: Int = Field(default=1, ge=1, le=MAX_N)
     stream: Bool = False
@@ -74,9 +99,16 @@ class _Common(_Model):
 TokenIds = list[Annotated[int, Strict(), Field(ge=0)]]
 
 
+def _prompt_count(value):
+    # checked before the union is tried, so that too many prompts is said as such, not as a type error
+    if isinstance(value, list) and len(value) > MAX_CHOICES and isinstance(value[0], (str, list)):
+        raise ValueError(f"{len(value)} prompts; at most {MAX_CHOICES} per request")
+    return value
+
+
 class CompletionRequest(_Common):
-    prompt: Union[Str, TokenIds, list[Str], list[TokenIds]]
-    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    prompt: Annotated[Union[Str, TokenIds, list[Str], list[TokenIds]], BeforeValidator(_prompt_count)]
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = Field(default=False, description="only false is supported")
 
     @field_validator("echo")
@@ -94,7 +126,7 @@ class TextPart(_Model):
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Str | list[TextPart] | None = None
+    content: Str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: Str | None = None
 
     def text(self) -> str:
@@ -106,10 +138,10 @@ class ChatMessage(_Model):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Bool = False
-    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class KnobsPatch(_Model):
@@ -118,3 +150,54 @@ class KnobsPatch(_Model):
     max_num_seqs: Int | None = None
     max_num_batched_tokens: Int | None = None
     prefill_chunk_size: Int | None = None
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], body: bytes, content_type: str | None) -> Body:
+    """A request body -> `model`, or RequestValidationError in FastAPI's own shape (so the same handler
+    answers it). Bytes that are not UTF-8 become lone surrogates, which the text fields refuse by name."""
+    if content_type and not _is_json(content_type):
+        raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",),
+                                       "msg": "Input should be a valid dictionary or object"}])
+    try:
+        data = json.loads(body.decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer of 4300+ digits, deep nesting
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e) or type(e).__name__
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "ctx": {"error": reason + where}}]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("body", *err["loc"])}
+                  for err in e.errors(include_url=False, include_input=False, include_context=False)]
+        # a union (prompt, stop, content) reports every branch it tried: what is wrong with the value
+        # (invalid Unicode, too many items) says more than "should be a list" from a branch that never fit
+        errors.sort(key=lambda err: err["type"].endswith("_type"))
+        raise RequestValidationError(errors) from None
+
+
+def _is_json(content_type: str) -> bool:
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra` declaring `model` as its JSON body: the routes read the body themselves
+    (`parse_body`), so FastAPI cannot derive it. The schema is inlined, as `$defs` would not resolve there."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref[len("#/$defs/"):]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from iterserve.server.api.serving import Job, ServerState, merged_outputs
+from iterserve.server.api.output_stream import StalledReaderError
+from iterserve.server.api.serving import Job, ServerState, job_outputs
 from iterserve.server.engine.core_client import EngineStepError, EngineStoppedError
 from iterserve.server.engine.outputs import RequestOutput
 
@@ -87,6 +88,10 @@ def chat_body(state: ServerState, job: Job, final: dict[int, RequestOutput]) -> 
             "choices": choices, "usage": usage(job, sum(len(o.token_ids) for o in final.values()))}
 
 
+_STREAM_ERRORS = {EngineStepError: (500, "internal_error"), EngineStoppedError: (503, "service_unavailable"),
+                  StalledReaderError: (408, "timeout_error")}
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -110,7 +115,7 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
             yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None})
     try:
-        async for index, out in merged_outputs(state, job, queues):
+        async for index, out in job_outputs(state, job, queues):
             num_tokens += len(out.new_token_ids)
             if not out.new_token_ids and not out.finished:
                 continue  # nothing new (vLLM's "don't return empty chunks")
@@ -135,11 +140,10 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
                                                              out.new_top_logprobs, at),
                              "finish_reason": finish, "stop_reason": out.stop_reason if finish else None},
                             running_usage)
-    except (EngineStepError, EngineStoppedError) as e:
+    except (EngineStepError, EngineStoppedError, StalledReaderError) as e:
         # the status line is long gone: report the failure in the stream, as vLLM does
-        code = 500 if isinstance(e, EngineStepError) else 503
-        yield _sse({"error": {"message": str(e), "type": "internal_error" if code == 500 else "service_unavailable",
-                              "param": None, "code": code}})
+        code, kind = _STREAM_ERRORS[type(e)]
+        yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
     if with_usage:
         yield _sse({**base, "choices": [], "usage": usage(job, num_tokens)})
     yield "data: [DONE]\n\n"

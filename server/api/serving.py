@@ -2,25 +2,36 @@
 
 One HTTP request becomes len(prompts) x n engine requests ("choices"), choice index
 `prompt_index * n + i` as in OpenAI's API. Every choice is validated before any is queued, so a
-refused request leaves nothing behind in the engine. Outputs of all choices are merged into one
-stream; whoever stops reading it (a client that went away) aborts every choice still running.
+refused request leaves nothing behind in the engine. Parsing, chat templating, tokenization and
+validation (`prepare`) run in a thread pool, never on the event loop: a large request must not hold up
+/health or anyone else's stream. Admission counts sequences (choices), so `max_queue` bounds the engine's
+waiting queue whatever the shape of the requests. Outputs of all choices are merged into one stream
+(`output_stream`); whoever stops reading it (a client that went away) aborts every choice still running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from iterserve.server.api.errors import APIError, from_invalid_request
-from iterserve.server.api.protocol import SEED_MAX, ChatCompletionRequest, CompletionRequest
+from iterserve.server.api.limits import ServerLimits
+from iterserve.server.api.output_stream import merged_outputs
+from iterserve.server.api.protocol import (MAX_CHOICES, SEED_MAX, ChatCompletionRequest, CompletionRequest,
+                                           parse_body)
 from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
-MAX_CHOICES = 1024  # prompts x n of one HTTP request: more is a batch job, not one request
+
+def _prep_pool() -> ThreadPoolExecutor:
+    # tokenization releases the GIL, so large prompts are taken in on several cores at once
+    return ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="iterserve-prep")
 
 
 @dataclass
@@ -29,13 +40,16 @@ class ServerState:
 
     engine: EngineClient
     model_name: str
-    max_queue: int | None = None  # refuse with 429 when this many requests wait
+    max_queue: int | None = None  # refuse with 429 what would make more sequences than this wait
     api_key: str | None = None
     admin_token: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    scheduling_policy: str = "fcfs"  # "priority" honours the requests' `priority`
     draining: bool = False
     drain_started: float | None = None
     metrics: object | None = None  # api.metrics.Metrics
     created: int = field(default_factory=lambda: int(time.time()))
+    prep_pool: ThreadPoolExecutor = field(default_factory=_prep_pool)
 
     def begin_drain(self) -> None:
         if not self.draining:
@@ -66,13 +80,29 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def check_admission(state: ServerState) -> None:
+def check_admission(state: ServerState, job: Job) -> None:
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", code="draining",
                        headers={"Retry-After": "1"})
-    if state.max_queue is not None and state.engine.snapshot()["num_waiting"] >= state.max_queue:
-        raise APIError(429, f"the waiting queue is full ({state.max_queue} requests); retry later",
-                       code="queue_full", headers={"Retry-After": "1"})
+    if state.max_queue is None:
+        return
+    waiting = state.engine.snapshot()["num_waiting"]
+    if waiting + len(job.choices) > state.max_queue:
+        raise APIError(429, f"the waiting queue is full ({waiting} of {state.max_queue} sequences wait; this "
+                       f"request adds {len(job.choices)}); retry later", code="queue_full", headers={"Retry-After": "1"})
+
+
+async def prepare_in_pool(state: ServerState, body: bytes, content_type: str | None, chat: bool) -> Job:
+    """`prepare` in the thread pool: the event loop goes on serving while a request is taken in."""
+    return await asyncio.get_running_loop().run_in_executor(state.prep_pool, prepare, state, body,
+                                                            content_type, chat)
+
+
+def prepare(state: ServerState, body: bytes, content_type: str | None, chat: bool) -> Job:
+    """A request body -> a validated Job (raises the APIError or RequestValidationError to answer)."""
+    if chat:
+        return prepare_chat(state, parse_body(ChatCompletionRequest, body, content_type))
+    return prepare_completion(state, parse_body(CompletionRequest, body, content_type))
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -83,6 +113,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def prepare_completion(state: ServerState, req: CompletionRequest) -> Job:
     check_model(state, req.model)
+    _check_request_shape(state, req, "prompt", num_prompts=1 if _single_prompt(req.prompt) else len(req.prompt))
     prompts = _completion_prompts(state, req.prompt)
     return _make_job(state, req, "cmpl", "prompt", prompts, req.max_tokens, default_max_tokens=16,
                      top_logprobs=req.logprobs)
@@ -90,6 +121,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Job:
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
+    _check_request_shape(state, req, "messages", num_prompts=1)
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer and so no chat template; use /v1/completions "
@@ -108,10 +140,29 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
                      top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
 
+def _single_prompt(prompt) -> bool:
+    return isinstance(prompt, str) or bool(prompt and isinstance(prompt[0], int))
+
+
+def _check_request_shape(state: ServerState, req, prompt_param: str, num_prompts: int) -> None:
+    """What can be refused before any tokenizing: priority without priority scheduling, too many
+    choices, and more sequences than the whole queue may hold (such a request could never be admitted)."""
+    if req.priority != 0 and state.scheduling_policy != "priority":
+        raise APIError(400, "priority: this server schedules first come, first served and does not honour "
+                       "priority; start it with --scheduling-policy priority", param="priority", code="invalid_value")
+    choices = num_prompts * req.n
+    param = "n" if req.n > 1 else prompt_param
+    shape = f"{num_prompts} prompt{'s' if num_prompts > 1 else ''} x n={req.n} is {choices} sequences"
+    if choices > MAX_CHOICES:
+        raise APIError(400, f"{param}: {shape}; at most {MAX_CHOICES} per request", param=param,
+                       code="invalid_value")
+    if state.max_queue is not None and choices > state.max_queue:
+        raise APIError(400, f"{param}: {shape}, more than the server ever queues (--max-queue {state.max_queue}); "
+                       "send fewer prompts or a smaller n per request", param=param, code="invalid_value")
+
+
 def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and isinstance(prompt[0], int):
+    if _single_prompt(prompt):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt: must not be empty", param="prompt")
@@ -132,17 +183,20 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
               max_tokens: int | None, *, default_max_tokens: int | None, top_logprobs: int | None) -> Job:
     """top_logprobs: None for no logprobs, else how many alternatives to list per token (0: none)."""
     engine = state.engine
-    if len(prompts) * req.n > MAX_CHOICES:
-        raise APIError(400, f"{prompt_param}: {len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} "
-                       f"completions; at most {MAX_CHOICES} per request", param=prompt_param)
     max_len = engine.max_model_len
+    longest = max(len(p) for p in prompts)
+    if longest >= max_len:
+        raise APIError(400, f"{prompt_param}: the prompt has {longest} tokens; the context length "
+                       f"(max_model_len) is {max_len}, which leaves no room to generate",
+                       param=prompt_param, code="context_length_exceeded")
+    total, limit = sum(len(p) for p in prompts) * req.n, state.limits.prompt_token_limit(max_len)
+    if total > limit:
+        raise APIError(400, f"{prompt_param}: the prompts come to {total} tokens to compute (each counted once per "
+                       f"choice); at most {limit} per request (--max-prompt-tokens-per-request)",
+                       param=prompt_param, code="invalid_value")
     job_id = f"{prefix}-{uuid.uuid4().hex}"
     choices = []
     for p_index, ids in enumerate(prompts):
-        if len(ids) >= max_len:
-            raise APIError(400, f"{prompt_param}: the prompt has {len(ids)} tokens; the context length "
-                           f"(max_model_len) is {max_len}, which leaves no room to generate",
-                           param=prompt_param, code="context_length_exceeded")
         wanted = max_tokens if max_tokens is not None else (default_max_tokens or max_len - len(ids))
         if max_tokens is None:
             wanted = min(wanted, max_len - len(ids))
@@ -153,11 +207,12 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
         for i in range(req.n):
             params = _sampling_params(req, wanted, i, top_logprobs)
             choice = Choice(p_index * req.n + i, f"{job_id}-{p_index * req.n + i}", p_index, ids, params)
-            try:  # validates token ids, stops, priority; queues nothing
-                engine.make_request(None, params, prompt_token_ids=ids, request_id=choice.request_id,
-                                    priority=req.priority)
-            except InvalidRequestError as e:
-                raise from_invalid_request(e) from None
+            if i == 0:  # token ids, stops and priority are the same for every choice of a prompt
+                try:  # validates; queues nothing
+                    engine.make_request(None, params, prompt_token_ids=ids, request_id=choice.request_id,
+                                        priority=req.priority)
+                except InvalidRequestError as e:
+                    raise from_invalid_request(e) from None
             choices.append(choice)
     opts = req.stream_options
     return Job(job_id, choices, [len(p) for p in prompts], req.priority, req.stream,
@@ -190,7 +245,7 @@ def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None) -> 
 
 def start(state: ServerState, job: Job) -> list[asyncio.Queue]:
     """Queue every choice; if one cannot be queued, the others are aborted."""
-    check_admission(state)
+    check_admission(state, job)
     queues = []
     try:
         for c in job.choices:
@@ -213,42 +268,19 @@ def _abort(state: ServerState, job: Job, count: int) -> None:
         state.engine.abort(c.request_id)
 
 
-async def merged_outputs(state: ServerState, job: Job,
-                         queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) for every choice, in the order they arrive. Closing this iterator, or
-    cancelling its consumer, aborts every choice not yet finished."""
-    if len(queues) == 1:  # the common case: no helper task
-        c = job.choices[0]
-        async for out in state.engine.stream_outputs(c.request_id, queues[0]):
-            yield c.index, out
-        return
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(choice: Choice, queue: asyncio.Queue) -> None:
-        try:
-            async for out in state.engine.stream_outputs(choice.request_id, queue):
-                merged.put_nowait((choice.index, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            merged.put_nowait((choice.index, e))
-
-    tasks = [asyncio.create_task(pump(c, q)) for c, q in zip(job.choices, queues)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await merged.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield index, item
-    finally:
-        for t in tasks:
-            t.cancel()  # each pump's stream_outputs aborts its request on the way out
+def job_outputs(state: ServerState, job: Job, queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) for every choice of a started job, in the order they arrive; closing it
+    aborts every choice not yet finished (`output_stream.merged_outputs`)."""
+    on_stall = None
+    if state.metrics is not None:
+        def on_stall() -> None:
+            state.metrics.observe_cutoff("reader_behind")
+    return merged_outputs(state.engine, job.choices, queues, state.limits.max_buffered_tokens, on_stall)
 
 
 async def collect(state: ServerState, job: Job, queues: list[asyncio.Queue]) -> dict[int, RequestOutput]:
     final: dict[int, RequestOutput] = {}
-    async for index, out in merged_outputs(state, job, queues):
+    async for index, out in job_outputs(state, job, queues):
         if out.finished:
             final[index] = out
     return final

@@ -20,6 +20,7 @@ import time
 
 from iterserve.server.engine.sampling_params import InvalidRequestError
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
+from iterserve.server.entrypoints.serve_args import add_server_limit_args, check_secrets, server_limits_from_args
 
 logger = logging.getLogger("iterserve.server")
 
@@ -36,10 +37,12 @@ def register(sub) -> None:
     p.add_argument("--admin-token", default=os.environ.get("ITERSERVE_ADMIN_TOKEN"),
                    help="token for /admin/scheduler (default: env ITERSERVE_ADMIN_TOKEN; unset: admin off)")
     p.add_argument("--max-queue", type=int, default=None,
-                   help="answer 429 while this many requests wait (default: no limit)")
+                   help="most sequences (prompts x n) waiting; a request that would make more wait gets 429 "
+                        "(default: no limit)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_server_limit_args(p)
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -60,24 +63,27 @@ def _validate(args) -> None:
         raise InvalidRequestError("max_queue", f"must be >= 1, got {args.max_queue}")
     if not args.drain_timeout >= 0:
         raise InvalidRequestError("drain_timeout", f"must be >= 0, got {args.drain_timeout}")
-    for name in ("api_key", "admin_token"):
-        if getattr(args, name) == "":
-            raise InvalidRequestError(name, "must not be empty")
+    check_secrets(args.api_key, args.admin_token)
 
 
 def build_server_state(engine, model_name: str, *, max_queue: int | None = None, api_key: str | None = None,
-                       admin_token: str | None = None):
+                       admin_token: str | None = None, limits=None, scheduling_policy: str = "fcfs"):
     """The metrics and shared state of one server around a started EngineClient (also used by the tests)."""
+    from iterserve.server.api.limits import ServerLimits
     from iterserve.server.api.metrics import Metrics
     from iterserve.server.api.serving import ServerState
 
-    state = ServerState(engine, model_name, max_queue=max_queue, api_key=api_key, admin_token=admin_token)
+    check_secrets(api_key, admin_token)
+    state = ServerState(engine, model_name, max_queue=max_queue, api_key=api_key, admin_token=admin_token,
+                        limits=limits or ServerLimits(), scheduling_policy=scheduling_policy)
     state.metrics = Metrics(engine, model_name)
     return state
 
 
 def make_uvicorn_server(app, state, *, host: str, port: int, drain_timeout: float, log_level: str = "info"):
     import uvicorn
+
+    from iterserve.server.api.http_protocol import guarded_h11_protocol
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -101,8 +107,12 @@ def make_uvicorn_server(app, state, *, host: str, port: int, drain_timeout: floa
                     self.should_exit = True
             return await super().on_tick(counter)
 
+    limits = state.limits
+    protocol = guarded_h11_protocol(limits.header_timeout, limits.stall_timeout,
+                                    state.metrics.observe_cutoff if state.metrics else None)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            access_log=False, lifespan="off")
+                            access_log=False, lifespan="off", http=protocol,
+                            timeout_keep_alive=limits.keep_alive_timeout)
     return DrainingServer(config)
 
 
@@ -111,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     try:
         _validate(args)
+        limits = server_limits_from_args(args)
         config = engine_config_from_args(args)
         from iterserve.server.engine.core_client import EngineClient  # heavy imports: only once args are good
 
@@ -123,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
     logger.info(engine.kv_cache_report)
     state = build_server_state(engine, served_model_name(args.model, args.served_model_name),
-                               max_queue=args.max_queue, api_key=args.api_key, admin_token=args.admin_token)
+                               max_queue=args.max_queue, api_key=args.api_key, admin_token=args.admin_token,
+                               limits=limits, scheduling_policy=args.scheduling_policy)
     server = make_uvicorn_server(create_app(state), state, host=args.host, port=args.port,
                                  drain_timeout=args.drain_timeout, log_level=args.log_level)
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
@@ -131,4 +143,5 @@ def run(args: argparse.Namespace) -> int:
         server.run()
     finally:
         state.engine.shutdown()
+        state.prep_pool.shutdown(wait=False, cancel_futures=True)
     return 0

@@ -61,8 +61,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # BOS/EOS, when the model wants them, are added by the backend's post-processor.
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # BOS/EOS, when the model wants them, are added by the backend's post-processor. The batch call
+        # releases the GIL (`encode` holds it), so a long prompt tokenized in a server's worker thread
+        # leaves the event loop running; it also skips the offsets, which nothing here uses.
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
