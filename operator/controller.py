@@ -97,7 +97,13 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0) -> Result:
     namespace, name = meta["namespace"], meta["name"]
     with object_lock(namespace, name):
         result = Result()
-        generation = int(meta.get("generation") or 0)
+        # the object as stored now, read under the lock: kopf's copy (a timer's especially) can be older
+        # than the spec another pass has just applied, and reconciling it would roll that spec back
+        body = _current(kube, namespace, name, meta.get("uid"))
+        if body is None:
+            result.gone = True
+            return result
+        generation = int(body["metadata"].get("generation") or 0)
         try:
             svc = parse_llmservice(body)
         except SpecError as e:
@@ -120,11 +126,13 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
     """Only the status, from the Deployment and ConfigMap as they are now (after a Deployment status
     change). observedGeneration stays: this looked at no spec change."""
     result = Result()
-    body = kube.get_llmservice(namespace, name)
-    if body is None:
-        result.gone = True
-        return result
     with object_lock(namespace, name):
+        # read under the lock: a snapshot taken before it would carry the status from before the
+        # reconcile that holds the lock now, and write its older observedGeneration back
+        body = _current(kube, namespace, name)
+        if body is None:
+            result.gone = True
+            return result
         try:
             svc = parse_llmservice(body)
         except SpecError:
@@ -145,6 +153,17 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
                           knobs=knobs, problems=result.problems)
         result.transitions, result.gone = write_status(kube, namespace, name, obs)
         return result
+
+
+def _current(kube: Kube, namespace: str, name: str, uid: str | None = None) -> dict | None:
+    """The LLMService as stored, or None when it is gone, being deleted, or (given `uid`) replaced by a
+    new object of the same name."""
+    body = kube.get_llmservice(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    if uid and body["metadata"].get("uid") != uid:
+        return None
+    return body
 
 
 def _get_deployment(kube: Kube, namespace: str, name: str, result: Result) -> dict | None:

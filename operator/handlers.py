@@ -19,7 +19,7 @@ import os
 import kopf
 import kubernetes
 
-from iterserve.operator import controller, tuning_loop
+from iterserve.operator import background, controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY
 from iterserve.operator.constants import GROUP, KIND, PLURAL, VERSION
 from iterserve.operator.kube import Kube
@@ -28,6 +28,10 @@ from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 RESYNC_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_RESYNC_SECONDS", "30"))
 POD_TIMEOUT_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_POD_TIMEOUT", "3"))
 RETRY_DELAY_SECONDS = 10
+# How long kopf waits for the timer and daemon to exit when an LLMService is deleted before it falls back
+# to re-checking after their back-off (60 s for a timer). Both exit at once (operator/background.py);
+# this is slack for an event loop on a busy machine.
+INSTANT_EXIT_SECONDS = 0.5
 
 
 @kopf.on.startup()
@@ -40,6 +44,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # our own Events say what happened (kopf.event, unfiltered); kopf's log-based ones only for failures
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
+    settings.background.instant_exit_timeout = INSTANT_EXIT_SECONDS
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pod call drowns the log
     # Watching chosen namespaces: take their names as given rather than list the cluster's namespaces,
     # which would need cluster-wide rights on namespaces for nothing.
@@ -79,10 +84,14 @@ def reconcile_llmservice(body, memo: kopf.Memo, **_) -> None:
         raise kopf.TemporaryError("; ".join(result.problems), delay=RETRY_DELAY_SECONDS)
 
 
+# Async, with the pass in a thread it does not wait for once the object is deleted (operator/background.py):
+# a pass hung on an unresponsive pod must not hold the deletion.
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def repair_drift(body, memo: kopf.Memo, **_) -> None:
-    result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
-    _report(body, result, drift=True)  # problems persist in status; Degraded's transition is the Event
+async def repair_drift(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
+    result = await background.unless_stopped(stopped, controller.handle, memo.kube, body,
+                                             pod_timeout=POD_TIMEOUT_SECONDS)
+    if result is not background.STOPPED:
+        _report(body, result, drift=True)  # problems persist in status; Degraded's transition is the Event
 
 
 def _owner(body) -> tuple[str, str] | None:
@@ -113,10 +122,9 @@ def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
 
 
 # An async daemon: each tick runs in a thread of its own (tuning_loop.run_daemon); between ticks it holds
-# none, so tuned services do not take kopf's workers from the reconciles. cancellation_backoff: on a stop,
-# a tick under way (pod calls time out after POD_TIMEOUT_SECONDS each) gets this long to finish.
-@kopf.daemon(GROUP, VERSION, PLURAL, id="tuner", when=lambda spec, **_: tuning_loop.tuning_enabled(spec),
-             cancellation_backoff=4 * POD_TIMEOUT_SECONDS + 5)
+# none, so tuned services do not take kopf's workers from the reconciles. On a stop it returns at once,
+# leaving a tick under way to finish alone.
+@kopf.daemon(GROUP, VERSION, PLURAL, id="tuner", when=lambda spec, **_: tuning_loop.tuning_enabled(spec))
 async def tune(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
     await tuning_loop.run_daemon(memo.kube, body, stopped, emit=lambda event: kopf.event(body, **event),
                                  prometheus_url=getattr(memo, "prometheus_url", None),

@@ -18,7 +18,6 @@ reconcile never interleave), one tick:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -27,6 +26,7 @@ from typing import Callable
 
 from kubernetes.client.exceptions import ApiException
 
+from iterserve.operator.background import STOPPED, detach, unless_stopped
 from iterserve.operator.builders.configmap import knobs_from_configmap
 from iterserve.operator.builders.labels import admin_secret_name, knobs_configmap_name
 from iterserve.operator.builders.secret import admin_token_of
@@ -203,11 +203,13 @@ class TuningLoop:
         if self.metrics is not None:
             self.metrics.forget(self.namespace, self.name)
         try:
-            current = self.kube.get_llmservice(self.namespace, self.name)
-            if current is None or current["metadata"].get("deletionTimestamp") or tuning_enabled(current.get("spec")):
-                return
-            write_tuning_status(self.kube, self.namespace, self.name, dict.fromkeys(MEASURED_FIELDS),
-                                {"status": "False", "reason": "TuningOff", "message": TUNING_OFF_MESSAGE})
+            with object_lock(self.namespace, self.name):  # a daemon started since (mode back on) goes first
+                current = self.kube.get_llmservice(self.namespace, self.name)
+                if current is None or current["metadata"].get("deletionTimestamp") or \
+                        tuning_enabled(current.get("spec")):
+                    return
+                write_tuning_status(self.kube, self.namespace, self.name, dict.fromkeys(MEASURED_FIELDS),
+                                    {"status": "False", "reason": "TuningOff", "message": TUNING_OFF_MESSAGE})
         except (ApiException, RuntimeError) as e:
             logger.warning("%s/%s: clearing the tuner's status: %s", self.namespace, self.name, short_error(e))
 
@@ -231,10 +233,14 @@ async def run_daemon(kube: Kube, body, stopped, *, emit: Callable[[dict], None],
                 f"Prometheus at {prometheus_url}" if prometheus_url else "reading the pods' /metrics")
     try:
         while not stopped.is_set():
-            delay, events = await asyncio.to_thread(loop.run_once, body)
+            outcome = await unless_stopped(stopped, loop.run_once, body)
+            if outcome is STOPPED:
+                break  # the tick under way finishes alone: kopf's deletion must not wait for a hung pod
+            delay, events = outcome
             for event in events:
                 emit(event)
             await stopped.wait(delay)
     finally:
-        await asyncio.to_thread(loop.close)
+        # not awaited: an exit that is not immediate makes kopf hold the deletion for the daemon's back-off
+        detach(loop.close)
         logger.info("%s/%s: tuner stopped", loop.namespace, loop.name)

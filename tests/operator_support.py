@@ -47,14 +47,25 @@ def operator_rbac(kube_cluster: KubeCluster):
     return docs
 
 
-def start_operator(cluster: KubeCluster, namespace: str | None, *args: str, name: str = "operator") -> DaemonProcess:
+def start_operator(cluster: KubeCluster, namespace: str | None, *args: str, name: str = "operator",
+                   env: dict[str, str] | None = None) -> DaemonProcess:
     """`iterserve operator` for one namespace (None: all), as the operator's service account (only the
     manifests' RBAC rights), with a 2 s drift-repair period."""
-    environment = {**os.environ, "KUBECONFIG": str(cluster.operator_kubeconfig), "PYTHONUNBUFFERED": "1"}
+    environment = {**os.environ, "KUBECONFIG": str(cluster.operator_kubeconfig), "PYTHONUNBUFFERED": "1",
+                   **(env or {})}
     scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
     argv = [ITERSERVE, "operator", *scope, "--resync-seconds", "2", *args]
     label = namespace or "all-namespaces"
     return DaemonProcess.start(f"{name} ({label})", argv, cluster.workdir / f"{label}-{name}.log", env=environment)
+
+
+@pytest.fixture
+def operator(kube_cluster: KubeCluster, kube_namespace: str, operator_rbac):
+    """One standalone operator for the test's namespace, checked for RBAC denials when it stops."""
+    process = start_operator(kube_cluster, kube_namespace, "--standalone")
+    yield process
+    process.stop()
+    assert_no_denials(process)
 
 
 def log_of(process: DaemonProcess) -> str:
@@ -119,3 +130,10 @@ def wait_for_event(kube: Kube, namespace: str, name: str, predicate, what: str, 
     after it patches the status, so an event can land a moment after the status a test waited for."""
     return wait_until(lambda: next((e for e in events_for(kube, namespace, name) if predicate(e)), None),
                       timeout=timeout, what=f"{namespace}/{name}: event {what}")
+
+
+def admin_token(kube: Kube, namespace: str, name: str) -> str:
+    """The admin token the operator keeps for LLMService `name`."""
+    from iterserve.operator.builders.secret import admin_token_of
+
+    return admin_token_of(kube.get("v1", "Secret", namespace, f"{name}-admin"))

@@ -14,21 +14,13 @@ from iterserve.operator.tuning.act import get_scheduler
 from tests.kube_support import wait_until
 from tests.operator_support import (
     TIMEOUT, admin_kube, apply_llmservice, assert_no_denials, children_of, condition, events_for, log_of,
-    merge_patch_llmservice, operator_rbac, start_operator, wait_for_event, wait_for_status,
+    merge_patch_llmservice, operator, operator_rbac, start_operator, wait_for_event, wait_for_status,
 )
 
-__all__ = ["operator_rbac"]  # a fixture, used by name
+__all__ = ["operator", "operator_rbac"]  # fixtures, used by name
 
 ONE_OF_EACH = {"Deployment": ["chat"], "Service": ["chat"], "Secret": ["chat-admin"],
                "ConfigMap": ["chat-knobs"], "PodDisruptionBudget": []}
-
-
-@pytest.fixture
-def operator(kube_cluster, kube_namespace, operator_rbac):
-    process = start_operator(kube_cluster, kube_namespace, "--standalone")
-    yield process
-    process.stop()
-    assert_no_denials(process)
 
 
 def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster, kube_namespace, operator):

@@ -7,6 +7,7 @@ from iterserve.operator.spec import LLMService
 
 MANAGED_BY = "iterserve-operator"
 HTTP_PORT = 8000
+ADMIN_PORT = 8001  # /admin/* only (`iterserve serve --admin-port`), reachable from the operator alone
 ANNOTATION_PREFIX = "iterserve.io/"
 
 
