@@ -16,6 +16,7 @@ import sys
 import time
 
 from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.entrypoints import admin_listener
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger("iterserve.server")
@@ -32,6 +33,8 @@ def register(sub) -> None:
                    help="require `Authorization: Bearer KEY` on /v1 (default: env ITERSERVE_API_KEY)")
     p.add_argument("--admin-token", default=os.environ.get("ITERSERVE_ADMIN_TOKEN"),
                    help="token for /admin/scheduler (default: env ITERSERVE_ADMIN_TOKEN; unset: admin off)")
+    p.add_argument("--admin-port", type=int, default=None,
+                   help="serve /admin/* only on this port, on the same host (default: on --port)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="answer 429 while this many requests wait (default: no limit)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -60,6 +63,7 @@ def _validate(args) -> None:
     for name in ("api_key", "admin_token"):
         if getattr(args, name) == "":
             raise InvalidRequestError(name, "must not be empty")
+    admin_listener.validate(args.port, args.admin_port, args.admin_token)
 
 
 def build_server_state(engine, model_name: str, *, max_queue: int | None = None, api_key: str | None = None,
@@ -122,11 +126,13 @@ def run(args: argparse.Namespace) -> int:
     state = build_server_state(engine, served_model_name(args.model, args.served_model_name),
                                max_queue=args.max_queue, api_key=args.api_key, admin_token=args.admin_token)
     state.engine.start()
-    server = make_uvicorn_server(create_app(state), state, host=args.host, port=args.port,
+    app, admin = admin_listener.split(create_app(state), host=args.host, admin_port=args.admin_port,
+                                      log_level=args.log_level)
+    server = make_uvicorn_server(app, state, host=args.host, port=args.port,
                                  drain_timeout=args.drain_timeout, log_level=args.log_level)
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
     try:
-        server.run()
+        admin_listener.run(server, admin)
     finally:
         state.engine.shutdown()
     return 0
