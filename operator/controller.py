@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 
 from iterserve.operator.builders.configmap import knobs_from_configmap
 from iterserve.operator.builders.labels import knobs_configmap_name
+from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.conditions import DEGRADED, TUNED, get_condition, now_iso, set_condition, transitions
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.kube import Kube, is_status
@@ -91,7 +92,7 @@ def write_tuning_status(kube: Kube, namespace: str, name: str, fields: dict, tun
         return patch_status(kube, namespace, name, compute) is not None
 
 
-def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0) -> Result:
+def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: OperatorPeer = OperatorPeer()) -> Result:
     """Reconcile the LLMService `body` (as kopf or the API gave it) and write its status."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -113,7 +114,7 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0) -> Result:
             obs = Observation(name=name, generation=generation, deployment=deployment, spec_error=str(e),
                               problems=result.problems)
         else:
-            outcome = reconcile(kube, svc, pod_timeout=pod_timeout)
+            outcome = reconcile(kube, svc, pod_timeout=pod_timeout, operator=operator)
             result.changes, result.problems = outcome.changes, outcome.problems
             obs = Observation(name=name, generation=generation, replicas_wanted=svc.replicas,
                               tuning_mode=svc.tuning.mode, deployment=outcome.deployment, knobs=outcome.knobs,

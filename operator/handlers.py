@@ -13,6 +13,7 @@ Run with `iterserve operator` (operator/cli.py) or `kopf run -m iterserve.operat
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -21,7 +22,9 @@ import kubernetes
 
 from iterserve.operator import background, controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY
-from iterserve.operator.constants import GROUP, KIND, PLURAL, VERSION
+from iterserve.operator.builders.networkpolicy import OperatorPeer
+from iterserve.operator.constants import DEFAULT_OPERATOR_NAMESPACE, GROUP, KIND, PLURAL, VERSION
+from iterserve.operator.health import BEAT_EVERY_S
 from iterserve.operator.kube import Kube
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 
@@ -54,6 +57,22 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
         memo.kube = Kube(kubernetes.client.ApiClient())
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
+    if getattr(memo, "operator_peer", None) is None:  # `iterserve operator` passes its flags'
+        memo.operator_peer = OperatorPeer(namespace=os.environ.get("POD_NAMESPACE") or DEFAULT_OPERATOR_NAMESPACE)
+
+
+@kopf.on.startup()
+async def start_heartbeat(memo: kopf.Memo, **_) -> None:
+    # beats from kopf's own event loop: /healthz goes stale when the loop stops turning (operator/health.py)
+    health = getattr(memo, "health", None)
+    if health is not None:
+        memo.heartbeat_task = asyncio.create_task(_beat(health))
+
+
+async def _beat(health) -> None:
+    while True:
+        health.beat("operating")
+        await asyncio.sleep(BEAT_EVERY_S)
 
 
 def _report(body, result: controller.Result, *, drift: bool) -> None:
@@ -73,7 +92,7 @@ def _report(body, result: controller.Result, *, drift: bool) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 def reconcile_llmservice(body, memo: kopf.Memo, **_) -> None:
-    result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
+    result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS, operator=memo.operator_peer)
     _report(body, result, drift=False)
     if result.spec_error is not None:
         if not any(c["type"] == "Degraded" for c in result.transitions):  # else that Event said it
@@ -89,7 +108,7 @@ def reconcile_llmservice(body, memo: kopf.Memo, **_) -> None:
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 async def repair_drift(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
     result = await background.unless_stopped(stopped, controller.handle, memo.kube, body,
-                                             pod_timeout=POD_TIMEOUT_SECONDS)
+                                             pod_timeout=POD_TIMEOUT_SECONDS, operator=memo.operator_peer)
     if result is not background.STOPPED:
         _report(body, result, drift=True)  # problems persist in status; Degraded's transition is the Event
 
@@ -111,7 +130,8 @@ def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
         llmservice = memo.kube.get_llmservice(namespace, name)
         if llmservice is None or llmservice["metadata"].get("deletionTimestamp"):
             return  # deleted with its owner: garbage collection, nothing to repair
-        result = controller.handle(memo.kube, llmservice, pod_timeout=POD_TIMEOUT_SECONDS)
+        result = controller.handle(memo.kube, llmservice, pod_timeout=POD_TIMEOUT_SECONDS,
+                                   operator=memo.operator_peer)
         _report(llmservice, result, drift=True)
         return
     result = controller.refresh_status(memo.kube, namespace, name)

@@ -66,7 +66,7 @@ class SilentServer:
 def create_hung_pod(kube: Kube, namespace: str, service: str, admin_token: str,
                     pod_name: str | None = None) -> SilentServer:
     """A Ready pod of LLMService `service` in the API, and the silent server at its address."""
-    host = allocate_host(HTTP_PORT)
+    host = allocate_host(HTTP_PORT, ADMIN_PORT)
     server = SilentServer(host, (HTTP_PORT, ADMIN_PORT))
     name = pod_name or f"{service}-hung"
     kube.create({

@@ -10,7 +10,7 @@ import time
 import kubernetes
 import pytest
 
-from iterserve.operator.builders.labels import HTTP_PORT
+from iterserve.operator.builders.labels import ADMIN_PORT, HTTP_PORT
 from iterserve.operator.constants import GROUP, PLURAL, VERSION
 from tests.hung_pod import create_hung_pod
 from tests.kube_support import wait_until
@@ -97,8 +97,8 @@ def test_delete_completes_at_once_while_a_pass_is_hung_on_a_pod(kube_cluster, ku
         # the resync timer's pass asks the pod for its knobs; the tuner reads its metrics (observe) or
         # its knobs (auto): all of them now wait on a pod that never answers
         expected = {"off": 1, "observe": 1, "auto": 2}[mode]
-        wait_until(lambda: silent.paths().count("/admin/scheduler") >= expected, timeout=TIMEOUT,
-                   what="calls hung on the pod")
+        wait_until(lambda: silent.paths(ADMIN_PORT).count("/admin/scheduler") >= expected, timeout=TIMEOUT,
+                   what="calls hung on the pod's admin port")
         if mode == "observe":
             wait_until(lambda: "/metrics" in silent.paths(HTTP_PORT), timeout=TIMEOUT, what="the tuner's scrape")
         started = time.monotonic()
@@ -106,6 +106,7 @@ def test_delete_completes_at_once_while_a_pass_is_hung_on_a_pod(kube_cluster, ku
         took = time.monotonic() - started
         assert kube.get_llmservice(ns, "chat") is None
         assert took < DELETE_BOUND_S, f"kubectl delete took {took:.1f} s (tuning {mode})"
+        assert "/admin/scheduler" not in silent.paths(HTTP_PORT)  # the admin API is called on its own port
     finally:
         if silent is not None:
             silent.close()
