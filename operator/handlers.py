@@ -6,7 +6,8 @@
 - Deployments the operator manages: a status refresh when their status changes (Ready follows the
   pods without waiting for the timer) and a full reconcile of the owner when one is deleted;
 - a daemon per LLMService whose tuning is observe or auto (operator/tuning_loop.py): the tuner, ticking
-  every spec.tuning.intervalSeconds; kopf stops it when the mode goes to off or the object is deleted.
+  every spec.tuning.intervalSeconds; kopf stops it when the mode goes to off or the object is deleted;
+- at start: the thread pool the timer and the daemon use, and the heartbeat behind /healthz.
 
 Run with `iterserve operator` (operator/cli.py) or `kopf run -m iterserve.operator.handlers`.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import kopf
 import kubernetes
@@ -35,12 +37,13 @@ RETRY_DELAY_SECONDS = 10
 # to re-checking after their back-off (60 s for a timer). Both exit at once (operator/background.py);
 # this is slack for an event loop on a busy machine.
 INSTANT_EXIT_SECONDS = 0.5
+BACKGROUND_THREADS = 32
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # kopf's bookkeeping in annotations under our prefix: the CRD's structural schema would prune a
-    # `status.kopf` field, and no finalizer is needed (children go by owner references).
+    # `status.kopf` field.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="iterserve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="iterserve.io", key="last-handled-configuration")
@@ -62,7 +65,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
 
 
 @kopf.on.startup()
-async def start_heartbeat(memo: kopf.Memo, **_) -> None:
+async def start_background(memo: kopf.Memo, **_) -> None:
+    # Resync passes and tuner ticks run in the event loop's default executor (operator/background.py),
+    # and a pass abandoned on a hung pod holds its thread until its timeouts: asyncio's default size
+    # (CPUs + 4) is small on a small node.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=BACKGROUND_THREADS, thread_name_prefix="iterserve-background"))
     # beats from kopf's own event loop: /healthz goes stale when the loop stops turning (operator/health.py)
     health = getattr(memo, "health", None)
     if health is not None:
