@@ -146,8 +146,8 @@ def test_llmservice_lifecycle_on_a_real_cluster(namespace):
                      and o, "Ready (pods serving the model)", timeout=READY_TIMEOUT, interval=5)
     assert svc["status"]["readyReplicas"] == 1 and svc["status"]["knobs"]["maxNumSeqs"] == 8
     uid = svc["metadata"]["uid"]
-    for kind, name in [("deployment", "chat"), ("service", "chat"), ("secret", "chat-admin"),
-                       ("configmap", "chat-knobs")]:
+    for kind, name in [("deployment", "chat"), ("service", "chat"), ("configmap", "chat-knobs"),
+                       ("networkpolicy", "chat")]:
         assert get(kind, name, ns)["metadata"]["ownerReferences"][0]["uid"] == uid, kind
 
     with PortForward(ns, "svc/chat") as forward:
@@ -160,8 +160,8 @@ def test_llmservice_lifecycle_on_a_real_cluster(namespace):
     # a knob edit is applied live: same pod, no restart
     (pod,) = ready_pods(ns, "chat")
     apply_service(ns, {**spec, "engine": {**spec["engine"], "maxNumSeqs": 5}})
-    token = base64.b64decode(get("secret", "chat-admin", ns)["data"]["token"]).decode()
-    with PortForward(ns, f"pod/{pod['metadata']['name']}") as forward:
+    token = base64.b64decode(get("secret", "iterserve-admin-tokens", ns)["data"]["chat"]).decode()
+    with PortForward(ns, f"pod/{pod['metadata']['name']}", port=8001) as forward:  # the admin port
         wait_until(lambda: httpx.get(f"{forward.url}/admin/scheduler", headers={"Authorization": f"Bearer {token}"},
                                      timeout=10).json()["knobs"]["max_num_seqs"] == 5, "the live knob")
     (same,) = ready_pods(ns, "chat")

@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 
 from iterserve.operator.builders.configmap import knobs_from_configmap
 from iterserve.operator.builders.labels import knobs_configmap_name
+from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.conditions import DEGRADED, TUNED, get_condition, now_iso, set_condition, transitions
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.kube import Kube, is_status
@@ -91,13 +92,19 @@ def write_tuning_status(kube: Kube, namespace: str, name: str, fields: dict, tun
         return patch_status(kube, namespace, name, compute) is not None
 
 
-def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0) -> Result:
+def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: OperatorPeer = OperatorPeer()) -> Result:
     """Reconcile the LLMService `body` (as kopf or the API gave it) and write its status."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     with object_lock(namespace, name):
         result = Result()
-        generation = int(meta.get("generation") or 0)
+        # the object as stored now, read under the lock: kopf's copy (a timer's especially) can be older
+        # than the spec another pass has just applied, and reconciling it would roll that spec back
+        body = _current(kube, namespace, name, meta.get("uid"))
+        if body is None:
+            result.gone = True
+            return result
+        generation = int(body["metadata"].get("generation") or 0)
         try:
             svc = parse_llmservice(body)
         except SpecError as e:
@@ -107,7 +114,7 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0) -> Result:
             obs = Observation(name=name, generation=generation, deployment=deployment, spec_error=str(e),
                               problems=result.problems)
         else:
-            outcome = reconcile(kube, svc, pod_timeout=pod_timeout)
+            outcome = reconcile(kube, svc, pod_timeout=pod_timeout, operator=operator)
             result.changes, result.problems = outcome.changes, outcome.problems
             obs = Observation(name=name, generation=generation, replicas_wanted=svc.replicas,
                               tuning_mode=svc.tuning.mode, deployment=outcome.deployment, knobs=outcome.knobs,
@@ -120,11 +127,13 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
     """Only the status, from the Deployment and ConfigMap as they are now (after a Deployment status
     change). observedGeneration stays: this looked at no spec change."""
     result = Result()
-    body = kube.get_llmservice(namespace, name)
-    if body is None:
-        result.gone = True
-        return result
     with object_lock(namespace, name):
+        # read under the lock: a snapshot taken before it would carry the status from before the
+        # reconcile that holds the lock now, and write its older observedGeneration back
+        body = _current(kube, namespace, name)
+        if body is None:
+            result.gone = True
+            return result
         try:
             svc = parse_llmservice(body)
         except SpecError:
@@ -145,6 +154,17 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
                           knobs=knobs, problems=result.problems)
         result.transitions, result.gone = write_status(kube, namespace, name, obs)
         return result
+
+
+def _current(kube: Kube, namespace: str, name: str, uid: str | None = None) -> dict | None:
+    """The LLMService as stored, or None when it is gone, being deleted, or (given `uid`) replaced by a
+    new object of the same name."""
+    body = kube.get_llmservice(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    if uid and body["metadata"].get("uid") != uid:
+        return None
+    return body
 
 
 def _get_deployment(kube: Kube, namespace: str, name: str, result: Result) -> dict | None:

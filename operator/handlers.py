@@ -6,40 +6,51 @@
 - Deployments the operator manages: a status refresh when their status changes (Ready follows the
   pods without waiting for the timer) and a full reconcile of the owner when one is deleted;
 - a daemon per LLMService whose tuning is observe or auto (operator/tuning_loop.py): the tuner, ticking
-  every spec.tuning.intervalSeconds; kopf stops it when the mode goes to off or the object is deleted.
+  every spec.tuning.intervalSeconds; kopf stops it when the mode goes to off or the object is deleted;
+- at start: the thread pool the timer and the daemon use, and the heartbeat behind /healthz.
 
 Run with `iterserve operator` (operator/cli.py) or `kopf run -m iterserve.operator.handlers`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import kopf
 import kubernetes
 
-from iterserve.operator import controller, tuning_loop
+from iterserve.operator import background, controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY
-from iterserve.operator.constants import GROUP, KIND, PLURAL, VERSION
+from iterserve.operator.builders.networkpolicy import OperatorPeer
+from iterserve.operator.constants import DEFAULT_OPERATOR_NAMESPACE, GROUP, KIND, PLURAL, VERSION
+from iterserve.operator.health import BEAT_EVERY_S
 from iterserve.operator.kube import Kube
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 
 RESYNC_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_RESYNC_SECONDS", "30"))
 POD_TIMEOUT_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_POD_TIMEOUT", "3"))
 RETRY_DELAY_SECONDS = 10
+# How long kopf waits for the timer and daemon to exit when an LLMService is deleted before it falls back
+# to re-checking after their back-off (60 s for a timer). Both exit at once (operator/background.py);
+# this is slack for an event loop on a busy machine.
+INSTANT_EXIT_SECONDS = 0.5
+BACKGROUND_THREADS = 32
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # kopf's bookkeeping in annotations under our prefix: the CRD's structural schema would prune a
-    # `status.kopf` field, and no finalizer is needed (children go by owner references).
+    # `status.kopf` field.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="iterserve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="iterserve.io", key="last-handled-configuration")
     # our own Events say what happened (kopf.event, unfiltered); kopf's log-based ones only for failures
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
+    settings.background.instant_exit_timeout = INSTANT_EXIT_SECONDS
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pod call drowns the log
     # Watching chosen namespaces: take their names as given rather than list the cluster's namespaces,
     # which would need cluster-wide rights on namespaces for nothing.
@@ -49,6 +60,27 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
         memo.kube = Kube(kubernetes.client.ApiClient())
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
+    if getattr(memo, "operator_peer", None) is None:  # `iterserve operator` passes its flags'
+        memo.operator_peer = OperatorPeer(namespace=os.environ.get("POD_NAMESPACE") or DEFAULT_OPERATOR_NAMESPACE)
+
+
+@kopf.on.startup()
+async def start_background(memo: kopf.Memo, **_) -> None:
+    # Resync passes and tuner ticks run in the event loop's default executor (operator/background.py),
+    # and a pass abandoned on a hung pod holds its thread until its timeouts: asyncio's default size
+    # (CPUs + 4) is small on a small node.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=BACKGROUND_THREADS, thread_name_prefix="iterserve-background"))
+    # beats from kopf's own event loop: /healthz goes stale when the loop stops turning (operator/health.py)
+    health = getattr(memo, "health", None)
+    if health is not None:
+        memo.heartbeat_task = asyncio.create_task(_beat(health))
+
+
+async def _beat(health) -> None:
+    while True:
+        health.beat("operating")
+        await asyncio.sleep(BEAT_EVERY_S)
 
 
 def _report(body, result: controller.Result, *, drift: bool) -> None:
@@ -68,7 +100,7 @@ def _report(body, result: controller.Result, *, drift: bool) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 def reconcile_llmservice(body, memo: kopf.Memo, **_) -> None:
-    result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
+    result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS, operator=memo.operator_peer)
     _report(body, result, drift=False)
     if result.spec_error is not None:
         if not any(c["type"] == "Degraded" for c in result.transitions):  # else that Event said it
@@ -79,10 +111,14 @@ def reconcile_llmservice(body, memo: kopf.Memo, **_) -> None:
         raise kopf.TemporaryError("; ".join(result.problems), delay=RETRY_DELAY_SECONDS)
 
 
+# Async, with the pass in a thread it does not wait for once the object is deleted (operator/background.py):
+# a pass hung on an unresponsive pod must not hold the deletion.
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def repair_drift(body, memo: kopf.Memo, **_) -> None:
-    result = controller.handle(memo.kube, body, pod_timeout=POD_TIMEOUT_SECONDS)
-    _report(body, result, drift=True)  # problems persist in status; Degraded's transition is the Event
+async def repair_drift(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
+    result = await background.unless_stopped(stopped, controller.handle, memo.kube, body,
+                                             pod_timeout=POD_TIMEOUT_SECONDS, operator=memo.operator_peer)
+    if result is not background.STOPPED:
+        _report(body, result, drift=True)  # problems persist in status; Degraded's transition is the Event
 
 
 def _owner(body) -> tuple[str, str] | None:
@@ -102,7 +138,8 @@ def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
         llmservice = memo.kube.get_llmservice(namespace, name)
         if llmservice is None or llmservice["metadata"].get("deletionTimestamp"):
             return  # deleted with its owner: garbage collection, nothing to repair
-        result = controller.handle(memo.kube, llmservice, pod_timeout=POD_TIMEOUT_SECONDS)
+        result = controller.handle(memo.kube, llmservice, pod_timeout=POD_TIMEOUT_SECONDS,
+                                   operator=memo.operator_peer)
         _report(llmservice, result, drift=True)
         return
     result = controller.refresh_status(memo.kube, namespace, name)
@@ -113,10 +150,9 @@ def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
 
 
 # An async daemon: each tick runs in a thread of its own (tuning_loop.run_daemon); between ticks it holds
-# none, so tuned services do not take kopf's workers from the reconciles. cancellation_backoff: on a stop,
-# a tick under way (pod calls time out after POD_TIMEOUT_SECONDS each) gets this long to finish.
-@kopf.daemon(GROUP, VERSION, PLURAL, id="tuner", when=lambda spec, **_: tuning_loop.tuning_enabled(spec),
-             cancellation_backoff=4 * POD_TIMEOUT_SECONDS + 5)
+# none, so tuned services do not take kopf's workers from the reconciles. On a stop it returns at once,
+# leaving a tick under way to finish alone.
+@kopf.daemon(GROUP, VERSION, PLURAL, id="tuner", when=lambda spec, **_: tuning_loop.tuning_enabled(spec))
 async def tune(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
     await tuning_loop.run_daemon(memo.kube, body, stopped, emit=lambda event: kopf.event(body, **event),
                                  prometheus_url=getattr(memo, "prometheus_url", None),

@@ -19,7 +19,7 @@ FIELD_MANAGER = "iterserve-operator"
 PLURALS = {
     "Deployment": "deployments", "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
     "PodDisruptionBudget": "poddisruptionbudgets", "Pod": "pods", "Event": "events", "Lease": "leases",
-    "ReplicaSet": "replicasets",
+    "ReplicaSet": "replicasets", "NetworkPolicy": "networkpolicies",
     KIND: PLURAL,
 }
 MERGE_PATCH = "application/merge-patch+json"

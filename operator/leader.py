@@ -36,11 +36,13 @@ def timings(lease_seconds: int) -> tuple[int, int, int]:
 
 
 def run_as_leader(run: Callable[[], None], *, namespace: str, identity: str, lease_seconds: int = 15,
-                  name: str = LEASE_NAME, on_lost: Callable[[], None] | None = None) -> None:
+                  name: str = LEASE_NAME, on_lost: Callable[[], None] | None = None,
+                  heartbeat: Callable[[], None] | None = None, beat_every: float = 5.0) -> None:
     """Block until this process holds Lease `namespace/name`, then call `run` in this thread.
 
     `run` must not return while leading (kopf.run does not); when the Lease is lost `on_lost` is called
-    from the election thread (default: exit the process with status 1)."""
+    from the election thread (default: exit the process with status 1). While waiting, `heartbeat` is
+    called every `beat_every` seconds as long as the election thread is alive (operator/health.py)."""
     from kubernetes.leaderelection import electionconfig, leaderelection
     from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
@@ -58,7 +60,9 @@ def run_as_leader(run: Callable[[], None], *, namespace: str, identity: str, lea
     thread = threading.Thread(target=leaderelection.LeaderElection(config).run, name="leader-election", daemon=True)
     logger.info("%s: waiting to lead (Lease %s/%s, %d s)", identity, namespace, name, duration)
     thread.start()
-    leading.wait()
+    while not leading.wait(beat_every):
+        if heartbeat is not None and thread.is_alive():
+            heartbeat()
     logger.info("%s: leading", identity)
     run()
 

@@ -19,9 +19,15 @@ from kubernetes.client.exceptions import ApiException
 
 from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap, spec_knobs_recorded
 from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION, build_deployment
-from iterserve.operator.builders.labels import HTTP_PORT, admin_secret_name, knobs_configmap_name, selector_string
+from iterserve.operator.builders.labels import (
+    ADMIN_PORT_NAME, HTTP_PORT, knobs_configmap_name, selector_string,
+)
+from iterserve.operator.builders.networkpolicy import API_VERSION as NETWORK_POLICY_API
+from iterserve.operator.builders.networkpolicy import OperatorPeer, build_network_policy
 from iterserve.operator.builders.pdb import build_pdb
-from iterserve.operator.builders.secret import admin_token_of, build_admin_secret, new_admin_token, token_digest
+from iterserve.operator.builders.secret import (
+    ADMIN_SECRET, admin_secret_patch, admin_token_of, build_admin_secret, new_admin_token, token_digest,
+)
 from iterserve.operator.builders.service import build_service
 from iterserve.operator.drift import differences, foreign_owner
 from iterserve.operator.knobs import KnobPlan, describe_change, plan_knobs
@@ -74,37 +80,31 @@ def _metadata_patch(desired: dict, current: dict) -> dict:
 
 
 def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
-    """The admin token: the stored one when there is one (pods were started with it), else a new one."""
-    name = admin_secret_name(svc.name)
+    """svc's admin token: the stored one when there is one (pods were started with it), else a new one,
+    in the namespace's admin Secret (builders/secret.py)."""
     for _ in range(MAX_CONFLICT_RETRIES):
-        current = kube.get("v1", "Secret", svc.namespace, name)
+        current = kube.get("v1", "Secret", svc.namespace, ADMIN_SECRET)
         _check_ours(current, svc)
-        token = admin_token_of(current)
-        if current is None:
-            token = new_admin_token()
-            try:
-                kube.create(build_admin_secret(svc, token))
-            except ApiException as e:
-                if is_status(e, 409):
-                    continue  # another run created it first: use its token
-                raise
-            out.changes.append(Change("Secret", name, "created", "new admin token"))
-            return token
-        desired = build_admin_secret(svc, token or new_admin_token())
-        drift = differences({"metadata": {k: desired["metadata"][k] for k in ("labels", "ownerReferences")},
-                             "data": desired["data"]}, current)
-        if not drift:
-            return token
+        token = admin_token_of(current, svc.name)
         try:
-            kube.merge_patch("v1", "Secret", svc.namespace, name,
-                             {"metadata": _metadata_patch(desired, current), "data": desired["data"]})
+            if current is None:
+                token = new_admin_token()
+                kube.create(build_admin_secret(svc, token))
+                out.changes.append(Change("Secret", ADMIN_SECRET, "created", f"admin token of {svc.name}"))
+                return token
+            patch = admin_secret_patch(current, svc, token or new_admin_token())
+            if patch is None:
+                return token
+            kube.merge_patch("v1", "Secret", svc.namespace, ADMIN_SECRET, patch)
         except ApiException as e:
             if is_status(e, 409):
-                continue
+                continue  # created or written by another pass in between: read again
             raise
-        out.changes.append(Change("Secret", name, "updated", ", ".join(drift)))
-        return admin_token_of(desired)
-    raise RuntimeError(f"Secret {name}: still conflicting after {MAX_CONFLICT_RETRIES} tries")
+        written = admin_token_of({"data": patch.get("data") or {}}, svc.name)
+        out.changes.append(Change("Secret", ADMIN_SECRET, "updated", f"new admin token of {svc.name}" if written
+                                  else "owners, labels or keys of deleted services"))
+        return written or token
+    raise RuntimeError(f"Secret {ADMIN_SECRET}: still conflicting after {MAX_CONFLICT_RETRIES} tries")
 
 
 def ensure_knobs(kube: Kube, svc: LLMService, out: Outcome) -> dict[str, int]:
@@ -163,16 +163,26 @@ def apply_child(kube: Kube, svc: LLMService, desired: dict, out: Outcome) -> dic
     return applied
 
 
-def ensure_pdb(kube: Kube, svc: LLMService, out: Outcome) -> None:
-    version = kube.pdb_api_version
-    desired = build_pdb(svc, version)
+def ensure_optional(kube: Kube, svc: LLMService, api_version: str, kind: str, desired: dict | None, why_not: str,
+                    out: Outcome) -> None:
+    """A child the spec may do without (`desired` None): applied when wanted, else ours is deleted."""
     if desired is not None:
         apply_child(kube, svc, desired, out)
         return
-    current = kube.get(version, "PodDisruptionBudget", svc.namespace, svc.name)
+    current = kube.get(api_version, kind, svc.namespace, svc.name)
     if current is not None and foreign_owner(current, svc.uid) is None:
-        if kube.delete(version, "PodDisruptionBudget", svc.namespace, svc.name):
-            out.changes.append(Change("PodDisruptionBudget", svc.name, "deleted", "replicas <= 1"))
+        if kube.delete(api_version, kind, svc.namespace, svc.name):
+            out.changes.append(Change(kind, svc.name, "deleted", why_not))
+
+
+def ensure_pdb(kube: Kube, svc: LLMService, out: Outcome) -> None:
+    version = kube.pdb_api_version
+    ensure_optional(kube, svc, version, "PodDisruptionBudget", build_pdb(svc, version), "replicas <= 1", out)
+
+
+def ensure_network_policy(kube: Kube, svc: LLMService, operator: OperatorPeer, out: Outcome) -> None:
+    ensure_optional(kube, svc, NETWORK_POLICY_API, "NetworkPolicy", build_network_policy(svc, operator),
+                    "spec.networkPolicy.enabled is false", out)
 
 
 def ready_pods(kube: Kube, svc: LLMService, token: str) -> list[dict]:
@@ -188,7 +198,16 @@ def ready_pods(kube: Kube, svc: LLMService, token: str) -> list[dict]:
 
 
 def pod_url(pod: dict) -> str:
+    """The pod's API and /metrics."""
     return f"http://{pod['status']['podIP']}:{HTTP_PORT}"
+
+
+def pod_admin_url(pod: dict) -> str:
+    """The pod's admin API: its container port named `admin`, else (a pod from before the admin port,
+    still running during the rollout that replaces it) the API port."""
+    ports = {port.get("name"): port.get("containerPort") for container in pod["spec"].get("containers") or ()
+             for port in container.get("ports") or ()}
+    return f"http://{pod['status']['podIP']}:{ports.get(ADMIN_PORT_NAME) or HTTP_PORT}"
 
 
 def sync_pod_knobs(kube: Kube, svc: LLMService, token: str, knobs: dict[str, int], out: Outcome,
@@ -196,7 +215,7 @@ def sync_pod_knobs(kube: Kube, svc: LLMService, token: str, knobs: dict[str, int
     """Give every ready pod the knobs in force, live (GET to compare, PATCH what differs)."""
     for pod in ready_pods(kube, svc, token):
         pod_name = pod["metadata"]["name"]
-        url = pod_url(pod)
+        url = pod_admin_url(pod)
         try:
             running = get_scheduler(url, token, timeout).get("knobs") or {}
             different = {k: v for k, v in knobs.items() if running.get(k) != v}
@@ -207,7 +226,8 @@ def sync_pod_knobs(kube: Kube, svc: LLMService, token: str, knobs: dict[str, int
             out.problems.append(f"pod {pod_name}: could not apply the knobs: {e}")
 
 
-def reconcile(kube: Kube, svc: LLMService, *, pod_timeout: float = 3.0) -> Outcome:
+def reconcile(kube: Kube, svc: LLMService, *, pod_timeout: float = 3.0,
+              operator: OperatorPeer = OperatorPeer()) -> Outcome:
     """One full pass. Every child is attempted even when another fails; failures land in `problems`."""
     out = Outcome()
 
@@ -225,6 +245,7 @@ def reconcile(kube: Kube, svc: LLMService, *, pod_timeout: float = 3.0) -> Outco
         out.deployment = attempt("Deployment", apply_child, kube, svc, build_deployment(svc, token_digest(token)), out)
     attempt("Service", apply_child, kube, svc, build_service(svc), out)
     attempt("PodDisruptionBudget", ensure_pdb, kube, svc, out)
+    attempt("NetworkPolicy", ensure_network_policy, kube, svc, operator, out)
     if token is not None and out.knobs is not None:
         attempt("pods", sync_pod_knobs, kube, svc, token, out.knobs, out, pod_timeout)
     return out

@@ -14,6 +14,7 @@ from typing import Any
 from iterserve.operator.tuning.act import KNOB_NAMES
 
 DEFAULT_IMAGE = "ghcr.io/iterserve/server:0.1.0"
+ADMIN_SECRET = "iterserve-admin-tokens"  # the operator's own Secret in each namespace (builders/secret.py)
 KNOB_LIMIT = 2**20  # the server's own bound on every knob (PATCH /admin/scheduler ranges)
 MODEL_SOURCES = ("default", "path", "pvc")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -72,6 +73,12 @@ class Tuning:
 
 
 @dataclass(frozen=True)
+class NetworkPolicy:
+    enabled: bool = True
+    api_from: tuple[dict, ...] = ()  # NetworkPolicyPeers allowed on the API port; () is anywhere
+
+
+@dataclass(frozen=True)
 class SecretKeyRef:
     name: str
     key: str = "api-key"
@@ -101,6 +108,7 @@ class LLMService:
     ttft_p99_ms: float | None = None
     itl_p99_ms: float | None = None
     drain_timeout_seconds: int = 30
+    network_policy: NetworkPolicy = NetworkPolicy()
 
 
 class _Reader:
@@ -141,6 +149,13 @@ class _Reader:
             self.error(f"{path}.{key}", f"must be a number in [{lo:g}, {hi:g}], got {value!r}")
             return None
         return float(value)
+
+    def boolean(self, parent: dict, key: str, path: str, default: bool) -> bool:
+        value = parent.get(key, default)
+        if not isinstance(value, bool):
+            self.error(f"{path}.{key}", f"must be true or false, got {value!r}")
+            return default
+        return value
 
     def string(self, parent: dict, key: str, path: str, default: str | None = None, choices=None):
         value = parent.get(key, default)
@@ -193,6 +208,7 @@ def parse_llmservice(body: dict[str, Any]) -> LLMService:
         ttft_p99_ms=r.number(slo, "ttftP99Ms", f"{p}.slo", 1, 3_600_000),
         itl_p99_ms=r.number(slo, "itlP99Ms", f"{p}.slo", 1, 600_000),
         drain_timeout_seconds=r.integer(spec, "drainTimeoutSeconds", p, 30, lo=0, hi=3600),
+        network_policy=_parse_network_policy(r, r.obj(spec, "networkPolicy", p), f"{p}.networkPolicy"),
     )
     _check_cross_field(r, service)
     if r.errors:
@@ -241,6 +257,17 @@ def _parse_tuning(r: _Reader, tuning: dict, p: str) -> Tuning:
     )
 
 
+def _parse_network_policy(r: _Reader, policy: dict, p: str) -> NetworkPolicy:
+    peers = tuple(_list(r, policy, "apiFrom", p))
+    for i, peer in enumerate(peers):
+        # the API server would refuse the NetworkPolicy for these; said here, against the field
+        if not peer.keys() & {"podSelector", "namespaceSelector", "ipBlock"}:
+            r.error(f"{p}.apiFrom[{i}]", "must set podSelector, namespaceSelector or ipBlock")
+        elif "ipBlock" in peer and peer.keys() & {"podSelector", "namespaceSelector"}:
+            r.error(f"{p}.apiFrom[{i}].ipBlock", "may not be combined with podSelector or namespaceSelector")
+    return NetworkPolicy(enabled=r.boolean(policy, "enabled", p, True), api_from=peers)
+
+
 def _check_cross_field(r: _Reader, s: LLMService) -> None:
     """The rules a structural schema cannot express (Kubernetes 1.20 has no CEL)."""
     m = s.model
@@ -269,8 +296,8 @@ def _check_cross_field(r: _Reader, s: LLMService) -> None:
                 f"must be >= intervalSeconds ({s.tuning.interval_seconds}), got {s.tuning.window_seconds}")
     if s.engine.max_model_len is not None and s.engine.block_size > s.engine.max_model_len:
         r.error("spec.engine.blockSize", f"must not exceed maxModelLen ({s.engine.max_model_len})")
-    if s.api_key is not None and s.api_key.name == f"{s.name}-admin":
-        r.error("spec.apiKeySecretRef.name", f"{s.name}-admin is the operator's admin-token Secret")
+    if s.api_key is not None and s.api_key.name == ADMIN_SECRET:
+        r.error("spec.apiKeySecretRef.name", f"{ADMIN_SECRET} is the operator's admin-token Secret")
     for i, toleration in enumerate(s.tolerations):
         if toleration.get("operator") == "Exists" and toleration.get("value"):
             r.error(f"spec.tolerations[{i}].value", "must be empty when operator is Exists")

@@ -64,7 +64,10 @@ def compute_status(obs: Observation, current: dict | None, now: str) -> dict:
     """The whole operator-owned part of the status (to merge into `current`, the status as read)."""
     current = current or {}
     conditions = list(current.get("conditions") or [])
-    gen = obs.generation
+    # never backwards: a writer holding an older view of the object (a stale read, a replica that has
+    # just lost the Lease) must not undo what a newer pass recorded; kubectl wait, Argo CD and Flux
+    # read observedGeneration < generation as "the spec was not processed"
+    gen = max(obs.generation, current.get("observedGeneration") or 0)
 
     def put(type_, status, reason, message):
         nonlocal conditions

@@ -7,8 +7,8 @@ ticks. Every `spec.tuning.intervalSeconds`, under the LLMService's object lock (
 reconcile never interleave), one tick:
 - re-reads the spec (a changed SLO, bounds, interval or mode re-configures the Tuner; its memory stays),
   the knobs in force (ConfigMap `<name>-knobs`: when they differ from the Tuner's, someone else changed
-  them, e.g. a spec edit the reconcile applied, and the Tuner is told) and the admin token (Secret
-  `<name>-admin`);
+  them, e.g. a spec edit the reconcile applied, and the Tuner is told) and the admin token (key `<name>`
+  of Secret `iterserve-admin-tokens`);
 - lists the ready pods through the API (podIP and the Ready condition, started with that token);
 - ticks the Tuner (pods' /metrics, or Prometheus with `--prometheus-url`); in auto mode a change goes
   to the ConfigMap first (`reconcile.set_tuned_knobs`: new pods start with it), then live to every pod;
@@ -18,7 +18,6 @@ reconcile never interleave), one tick:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -27,13 +26,14 @@ from typing import Callable
 
 from kubernetes.client.exceptions import ApiException
 
+from iterserve.operator.background import STOPPED, detach, unless_stopped
 from iterserve.operator.builders.configmap import knobs_from_configmap
-from iterserve.operator.builders.labels import admin_secret_name, knobs_configmap_name
-from iterserve.operator.builders.secret import admin_token_of
+from iterserve.operator.builders.labels import knobs_configmap_name
+from iterserve.operator.builders.secret import ADMIN_SECRET, admin_token_of
 from iterserve.operator.conditions import TUNED, get_condition
 from iterserve.operator.controller import object_lock, write_tuning_status
 from iterserve.operator.kube import Kube
-from iterserve.operator.reconcile import pod_url, ready_pods, set_tuned_knobs, short_error
+from iterserve.operator.reconcile import pod_admin_url, pod_url, ready_pods, set_tuned_knobs, short_error
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import TUNING_OFF_MESSAGE
 from iterserve.operator.tuning.decide import HOLD
@@ -135,6 +135,7 @@ class TuningLoop:
     interval_s: float = RETRY_SECONDS
     _svc: LLMService | None = field(default=None, repr=False)
     _token: str | None = field(default=None, repr=False)
+    _admin_urls: dict[str, str] = field(default_factory=dict, repr=False)  # pod URL -> its admin API
 
     def run_once(self, body: dict) -> tuple[float, list[dict]]:
         """One tick for the LLMService as `body` shows it now: (seconds to the next tick, Events to emit)."""
@@ -163,7 +164,7 @@ class TuningLoop:
             if policy.mode not in TUNING_MODES:
                 return None  # the daemon is being stopped
             knobs = knobs_from_configmap(self.kube.get("v1", "ConfigMap", ns, knobs_configmap_name(name)))
-            token = admin_token_of(self.kube.get("v1", "Secret", ns, admin_secret_name(name)))
+            token = admin_token_of(self.kube.get("v1", "Secret", ns, ADMIN_SECRET), name)
             if knobs is None or token is None:
                 return None  # not created yet: the reconcile is on it
             in_force = Knobs.from_dict(knobs)
@@ -179,7 +180,8 @@ class TuningLoop:
         if self.tuner is None:
             self.tuner = Tuner(self.namespace, self.name, list_pods=self._list_pods, admin_token=lambda: self._token,
                                policy=policy, source=self.source, knobs=in_force, apply_knobs=self._apply_knobs,
-                               metrics=self.metrics, timeout=self.pod_timeout)
+                               metrics=self.metrics, timeout=self.pod_timeout,
+                               admin_url=lambda url: self._admin_urls.get(url, url))
             return self.tuner
         tuner = self.tuner
         if policy != tuner.policy:
@@ -192,7 +194,9 @@ class TuningLoop:
         return tuner
 
     def _list_pods(self) -> list[str]:
-        return [pod_url(pod) for pod in ready_pods(self.kube, self._svc, self._token)]
+        pods = ready_pods(self.kube, self._svc, self._token)
+        self._admin_urls = {pod_url(pod): pod_admin_url(pod) for pod in pods}
+        return list(self._admin_urls)
 
     def _apply_knobs(self, knobs: Knobs) -> None:
         set_tuned_knobs(self.kube, self._svc, knobs.as_dict())
@@ -203,11 +207,13 @@ class TuningLoop:
         if self.metrics is not None:
             self.metrics.forget(self.namespace, self.name)
         try:
-            current = self.kube.get_llmservice(self.namespace, self.name)
-            if current is None or current["metadata"].get("deletionTimestamp") or tuning_enabled(current.get("spec")):
-                return
-            write_tuning_status(self.kube, self.namespace, self.name, dict.fromkeys(MEASURED_FIELDS),
-                                {"status": "False", "reason": "TuningOff", "message": TUNING_OFF_MESSAGE})
+            with object_lock(self.namespace, self.name):  # a daemon started since (mode back on) goes first
+                current = self.kube.get_llmservice(self.namespace, self.name)
+                if current is None or current["metadata"].get("deletionTimestamp") or \
+                        tuning_enabled(current.get("spec")):
+                    return
+                write_tuning_status(self.kube, self.namespace, self.name, dict.fromkeys(MEASURED_FIELDS),
+                                    {"status": "False", "reason": "TuningOff", "message": TUNING_OFF_MESSAGE})
         except (ApiException, RuntimeError) as e:
             logger.warning("%s/%s: clearing the tuner's status: %s", self.namespace, self.name, short_error(e))
 
@@ -231,10 +237,14 @@ async def run_daemon(kube: Kube, body, stopped, *, emit: Callable[[dict], None],
                 f"Prometheus at {prometheus_url}" if prometheus_url else "reading the pods' /metrics")
     try:
         while not stopped.is_set():
-            delay, events = await asyncio.to_thread(loop.run_once, body)
+            outcome = await unless_stopped(stopped, loop.run_once, body)
+            if outcome is STOPPED:
+                break  # the tick under way finishes alone: kopf's deletion must not wait for a hung pod
+            delay, events = outcome
             for event in events:
                 emit(event)
             await stopped.wait(delay)
     finally:
-        await asyncio.to_thread(loop.close)
+        # not awaited: an exit that is not immediate makes kopf hold the deletion for the daemon's back-off
+        detach(loop.close)
         logger.info("%s/%s: tuner stopped", loop.namespace, loop.name)

@@ -123,8 +123,8 @@ def start_cluster(workdir: Path, *, crd_paths=(ROOT / "crds",)) -> KubeCluster:
         operator_kubeconfig=workdir / "operator.kubeconfig",
         workdir=workdir,
     )
-    _write_kubeconfig(cluster.admin_kubeconfig, cluster.server, pki["ca"], "admin", admin_token)
-    _write_kubeconfig(cluster.operator_kubeconfig, cluster.server, pki["ca"], "iterserve-operator", operator_token)
+    write_kubeconfig(cluster.admin_kubeconfig, cluster.server, pki["ca"], "admin", admin_token)
+    write_kubeconfig(cluster.operator_kubeconfig, cluster.server, pki["ca"], "iterserve-operator", operator_token)
     try:
         etcd_url = _start_etcd(cluster)
         _start_apiserver(cluster, etcd_url, port, pki)
@@ -155,7 +155,7 @@ def _write_pki(pki: Path) -> dict[str, Path]:
     return paths
 
 
-def _write_kubeconfig(path: Path, server: str, ca: Path, user: str, token: str) -> None:
+def write_kubeconfig(path: Path, server: str, ca: Path, user: str, token: str) -> None:
     config = {
         "apiVersion": "v1", "kind": "Config", "current-context": user, "preferences": {},
         "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority": str(ca)}}],

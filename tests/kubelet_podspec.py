@@ -138,6 +138,11 @@ def container_argv(container: Mapping, env: Mapping[str, str], *, iterserve_bin:
     return words + list(extra_args)
 
 
+def container_ports(container: Mapping) -> list[int]:
+    """The ports the container declares (`containerPort`s): its process listens on each."""
+    return [int(port["containerPort"]) for port in container.get("ports", ())]
+
+
 def readiness_target(container: Mapping) -> tuple[str, int]:
     """(path, port) the readiness probe calls: the probe's httpGet (named ports resolved), else `/ready`
     on the `--port` in the args, the first containerPort, or 8000."""

@@ -29,8 +29,8 @@ import httpx
 import kubernetes
 
 from tests.kube_processes import DaemonProcess
-from tests.kubelet_podspec import ContainerConfigError, container_argv, decode_secret_data, main_container, \
-    readiness_target, resolve_env
+from tests.kubelet_podspec import ContainerConfigError, container_argv, container_ports, decode_secret_data, \
+    main_container, readiness_target, resolve_env
 from tests.kube_support import KubeCluster
 from tests.kubelet_status import PodState, container_exit_code, node_status, pod_status
 
@@ -38,20 +38,25 @@ _addresses = itertools.count()
 _addresses_lock = threading.Lock()
 
 
-def allocate_host(port: int) -> str:
-    """A loopback address 127.0.x.y (from 127.0.0.2 on) where `port` is free to listen, so pods keep the
-    port their spec names, as pods with their own IPs do."""
+def allocate_host(*ports: int) -> str:
+    """A loopback address 127.0.x.y (from 127.0.0.2 on) where every one of `ports` is free to listen, so
+    pods keep the ports their spec names, as pods with their own IPs do."""
     with _addresses_lock:
         for n in _addresses:
             host = f"127.0.{n // 250}.{n % 250 + 2}"
-            with socket.socket() as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-                try:
-                    probe.bind((host, port))
-                    return host
-                except OSError:
-                    continue
+            if all(_free(host, port) for port in ports):
+                return host
     raise AssertionError("unreachable")
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            probe.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 class LocalKubelet:
@@ -276,7 +281,7 @@ class _PodRunner(threading.Thread):
         return self.state.ready and self._probe_failures < self.failure_threshold
 
     def _start_process(self) -> None:
-        self.host = self.host or allocate_host(self.port)
+        self.host = self.host or allocate_host(self.port, *container_ports(self.container))
         try:
             env = resolve_env(self.pod, self.container, read_configmap=self._read_configmap,
                               read_secret=self._read_secret, pod_ip=self.host)

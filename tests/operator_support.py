@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
+from iterserve.operator.builders.secret import ADMIN_SECRET, admin_token_of
 from iterserve.operator.kube import Kube
 from tests.kube_processes import DaemonProcess
 from tests.kube_support import ROOT, KubeCluster, kubectl_binary, wait_until
@@ -47,14 +48,25 @@ def operator_rbac(kube_cluster: KubeCluster):
     return docs
 
 
-def start_operator(cluster: KubeCluster, namespace: str | None, *args: str, name: str = "operator") -> DaemonProcess:
+def start_operator(cluster: KubeCluster, namespace: str | None, *args: str, name: str = "operator",
+                   env: dict[str, str] | None = None, kubeconfig: Path | None = None) -> DaemonProcess:
     """`iterserve operator` for one namespace (None: all), as the operator's service account (only the
-    manifests' RBAC rights), with a 2 s drift-repair period."""
-    environment = {**os.environ, "KUBECONFIG": str(cluster.operator_kubeconfig), "PYTHONUNBUFFERED": "1"}
+    manifests' RBAC rights; another identity with `kubeconfig`), with a 2 s drift-repair period."""
+    environment = {**os.environ, "KUBECONFIG": str(kubeconfig or cluster.operator_kubeconfig),
+                   "PYTHONUNBUFFERED": "1", **(env or {})}
     scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
     argv = [ITERSERVE, "operator", *scope, "--resync-seconds", "2", *args]
     label = namespace or "all-namespaces"
     return DaemonProcess.start(f"{name} ({label})", argv, cluster.workdir / f"{label}-{name}.log", env=environment)
+
+
+@pytest.fixture
+def operator(kube_cluster: KubeCluster, kube_namespace: str, operator_rbac):
+    """One standalone operator for the test's namespace, checked for RBAC denials when it stops."""
+    process = start_operator(kube_cluster, kube_namespace, "--standalone")
+    yield process
+    process.stop()
+    assert_no_denials(process)
 
 
 def log_of(process: DaemonProcess) -> str:
@@ -101,12 +113,22 @@ def wait_for_status(kube: Kube, namespace: str, name: str, predicate, what: str,
 
 
 def children_of(kube: Kube, namespace: str, name: str) -> dict[str, list[str]]:
-    """Names of every object of each child kind labelled as this LLMService's."""
+    """Names of every object of each child kind labelled as this LLMService's (the admin-token Secret is
+    the namespace's, shared: `admin_token` reads it)."""
     selector = f"app.kubernetes.io/instance={name}"
-    kinds = {"Deployment": "apps/v1", "Service": "v1", "Secret": "v1", "ConfigMap": "v1",
-             "PodDisruptionBudget": kube.pdb_api_version}
+    kinds = {"Deployment": "apps/v1", "Service": "v1", "ConfigMap": "v1",
+             "PodDisruptionBudget": kube.pdb_api_version, "NetworkPolicy": "networking.k8s.io/v1"}
     return {kind: sorted(o["metadata"]["name"] for o in kube.list(version, kind, namespace, selector))
             for kind, version in kinds.items()}
+
+
+def admin_secret(kube: Kube, namespace: str) -> dict | None:
+    return kube.get("v1", "Secret", namespace, ADMIN_SECRET)
+
+
+def admin_token(kube: Kube, namespace: str, name: str) -> str | None:
+    """The admin token the operator keeps for LLMService `name`."""
+    return admin_token_of(admin_secret(kube, namespace), name)
 
 
 def events_for(kube: Kube, namespace: str, name: str) -> list[dict]:
@@ -119,3 +141,4 @@ def wait_for_event(kube: Kube, namespace: str, name: str, predicate, what: str, 
     after it patches the status, so an event can land a moment after the status a test waited for."""
     return wait_until(lambda: next((e for e in events_for(kube, namespace, name) if predicate(e)), None),
                       timeout=timeout, what=f"{namespace}/{name}: event {what}")
+

@@ -6,8 +6,8 @@ import base64
 
 import pytest
 
-from tests.kubelet_podspec import ContainerConfigError, container_argv, decode_secret_data, expand_vars, \
-    main_container, readiness_target, remap_path, resolve_env, with_option
+from tests.kubelet_podspec import ContainerConfigError, container_argv, container_ports, decode_secret_data, \
+    expand_vars, main_container, readiness_target, remap_path, resolve_env, with_option
 from tests.kubelet_status import PodState, pod_status
 
 ENV = {"A": "1", "EMPTY": ""}
@@ -141,3 +141,11 @@ def test_pod_status_follows_the_process():
 
     state.set_finished(exit_code=0)
     assert pod_status(state, {})["phase"] == "Succeeded"
+
+
+@pytest.mark.parametrize("container, expected", [
+    ({"ports": [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8001}]}, [8000, 8001]),
+    ({}, []),
+])
+def test_container_ports(container, expected):
+    assert container_ports(container) == expected

@@ -12,7 +12,8 @@ import pytest
 from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap
 from iterserve.operator.builders.deployment import build_deployment, server_args, termination_grace_seconds
 from iterserve.operator.builders.pdb import build_pdb
-from iterserve.operator.builders.secret import admin_token_of, build_admin_secret, token_digest
+from iterserve.operator.builders.networkpolicy import OperatorPeer, build_network_policy
+from iterserve.operator.builders.secret import token_digest
 from iterserve.operator.builders.service import build_service
 from iterserve.operator.spec import parse_llmservice
 
@@ -49,8 +50,8 @@ def service(spec: dict, name: str = "chat"):
 
 def children(spec: dict) -> list[dict]:
     svc = service(spec)
-    objs = [build_deployment(svc, token_digest("t0k3n")), build_service(svc), build_admin_secret(svc, "t0k3n"),
-            build_knobs_configmap(svc, svc.engine.knobs)]
+    objs = [build_deployment(svc, token_digest("t0k3n")), build_service(svc),
+            build_knobs_configmap(svc, svc.engine.knobs), build_network_policy(svc, OperatorPeer())]
     pdb = build_pdb(svc)
     return objs + ([pdb] if pdb else [])
 
@@ -148,17 +149,18 @@ def test_knob_only_spec_changes_keep_the_pod_template():
 
 def test_secrets_reach_the_server_as_env():
     env = {e["name"]: e.get("valueFrom") for e in container(SPECS["api-key"])["env"]}
-    assert env["ITERSERVE_ADMIN_TOKEN"] == {"secretKeyRef": {"name": "chat-admin", "key": "token"}}
+    assert env["ITERSERVE_ADMIN_TOKEN"] == {"secretKeyRef": {"name": "iterserve-admin-tokens", "key": "chat"}}
     assert env["ITERSERVE_API_KEY"] == {"secretKeyRef": {"name": "chat-api-key", "key": "key"}}
     assert "ITERSERVE_API_KEY" not in {e["name"] for e in container({})["env"]}
-    assert admin_token_of(build_admin_secret(service({}), "s3cret")) == "s3cret"
 
 
 def test_probes_drain_and_hardening():
     c = container({"drainTimeoutSeconds": 45})
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
-    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                          {"name": "admin", "containerPort": 8001, "protocol": "TCP"}]
+    assert flag(c["args"], "--admin-port") == "8001"  # the admin API only there (the NetworkPolicy's rule)
     assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     spec = pod_spec({"drainTimeoutSeconds": 45})
     prestop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])

@@ -99,6 +99,8 @@ def sample(**spec_changes) -> dict:
     ({"tolerations": [{"operator": "Maybe"}]}, "spec.tolerations.0.operator"),
     ({"apiKeySecretRef": {"key": "k"}}, "spec.apiKeySecretRef"),
     ({"drainTimeoutSeconds": 7200}, "spec.drainTimeoutSeconds"),
+    ({"networkPolicy": {"enabled": "yes"}}, "spec.networkPolicy.enabled"),
+    ({"networkPolicy": {"apiFrom": [{"ipBlock": {"except": []}}]}}, "spec.networkPolicy.apiFrom.0.ipBlock"),
 ])
 def test_schema_rejects_bad_fields_by_name(changes, field):
     errors = schema_errors(sample(**changes))

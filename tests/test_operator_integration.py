@@ -5,30 +5,24 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
 from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION
-from iterserve.operator.builders.secret import admin_token_of, token_digest
+from iterserve.operator.builders.secret import ADMIN_SECRET, token_digest
 from iterserve.operator.controller import write_tuning_status
-from iterserve.operator.tuning.act import get_scheduler
+from iterserve.operator.tuning.act import PodCallError, get_scheduler
 from tests.kube_support import wait_until
+from tests.server_support import free_port
 from tests.operator_support import (
-    TIMEOUT, admin_kube, apply_llmservice, assert_no_denials, children_of, condition, events_for, log_of,
-    merge_patch_llmservice, operator_rbac, start_operator, wait_for_event, wait_for_status,
+    TIMEOUT, admin_kube, admin_secret, admin_token, apply_llmservice, assert_no_denials, children_of, condition, events_for, log_of,
+    merge_patch_llmservice, operator, operator_rbac, start_operator, wait_for_event, wait_for_status,
 )
 
-__all__ = ["operator_rbac"]  # a fixture, used by name
+__all__ = ["operator", "operator_rbac"]  # fixtures, used by name
 
-ONE_OF_EACH = {"Deployment": ["chat"], "Service": ["chat"], "Secret": ["chat-admin"],
-               "ConfigMap": ["chat-knobs"], "PodDisruptionBudget": []}
-
-
-@pytest.fixture
-def operator(kube_cluster, kube_namespace, operator_rbac):
-    process = start_operator(kube_cluster, kube_namespace, "--standalone")
-    yield process
-    process.stop()
-    assert_no_denials(process)
+ONE_OF_EACH = {"Deployment": ["chat"], "Service": ["chat"], "ConfigMap": ["chat-knobs"],
+               "PodDisruptionBudget": [], "NetworkPolicy": ["chat"]}
 
 
 def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster, kube_namespace, operator):
@@ -42,16 +36,19 @@ def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster,
     wait_until(lambda: children_of(kube, ns, "chat") == ONE_OF_EACH, timeout=TIMEOUT, what="the children")
     deployment = kube.get("apps/v1", "Deployment", ns, "chat")
     for kind, version, name in [("Deployment", "apps/v1", "chat"), ("Service", "v1", "chat"),
-                                ("Secret", "v1", "chat-admin"), ("ConfigMap", "v1", "chat-knobs")]:
+                                ("ConfigMap", "v1", "chat-knobs"), ("NetworkPolicy", "networking.k8s.io/v1", "chat")]:
         (ref,) = kube.get(version, kind, ns, name)["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("LLMService", "chat", uid, True), kind
+    # the namespace's admin tokens: chat owns (not controls) the Secret and has its key there
+    (ref,) = admin_secret(kube, ns)["metadata"]["ownerReferences"]
+    assert (ref["name"], ref["uid"], ref["controller"]) == ("chat", uid, False)
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     args = container["args"]
     assert container["command"] == ["iterserve", "serve"]
     assert args[args.index("--max-num-seqs") + 1] == "$(ITERSERVE_MAX_NUM_SEQS)"
     assert args[args.index("--kv-cache-memory") + 1] == "64MiB" and "--model" not in args
     assert kube.get("v1", "ConfigMap", ns, "chat-knobs")["data"]["max-num-seqs"] == "12"
-    token = admin_token_of(kube.get("v1", "Secret", ns, "chat-admin"))
+    token = admin_token(kube, ns, "chat")
     assert deployment["spec"]["template"]["metadata"]["annotations"][TOKEN_DIGEST_ANNOTATION] == token_digest(token)
 
     # no kubelet here: the pods stay Pending, so the service is not Ready yet and says why
@@ -94,8 +91,8 @@ def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster,
     wait_until(lambda: children_of(kube, ns, "chat") == ONE_OF_EACH, timeout=TIMEOUT, what="the PDB removed")
 
     kube_cluster.kubectl("delete", "llmsvc", "chat", "-n", ns, "--wait=false")
-    wait_until(lambda: children_of(kube, ns, "chat") == {k: [] for k in ONE_OF_EACH}, timeout=TIMEOUT,
-               what="garbage collection of every child")
+    wait_until(lambda: children_of(kube, ns, "chat") == {k: [] for k in ONE_OF_EACH}
+               and admin_secret(kube, ns) is None, timeout=TIMEOUT, what="garbage collection of every child")
 
 
 @pytest.mark.parametrize("spec, field", [
@@ -132,25 +129,26 @@ def test_deleted_or_edited_children_come_back(kube_cluster, kube_namespace, oper
     kube, ns, k = admin_kube(kube_cluster), kube_namespace, kube_cluster.kubectl
     apply_llmservice(kube_cluster, ns, "chat", {"engine": {"maxNumSeqs": 12}})
     wait_until(lambda: children_of(kube, ns, "chat") == ONE_OF_EACH, timeout=TIMEOUT, what="the children")
-    old_token = admin_token_of(kube.get("v1", "Secret", ns, "chat-admin"))
+    old_token = admin_token(kube, ns, "chat")
     k("delete", "service", "chat", "-n", ns)
-    k("delete", "secret", "chat-admin", "-n", ns)
+    k("delete", "secret", ADMIN_SECRET, "-n", ns)
+    k("delete", "networkpolicy", "chat", "-n", ns)
     k("set", "image", "deployment/chat", "-n", ns, "server=example.com/other:1")
     k("patch", "configmap", "chat-knobs", "-n", ns, "-p", '{"data": {"max-num-seqs": "3"}}')
 
     def repaired():
         deployment = kube.get("apps/v1", "Deployment", ns, "chat")
-        secret = kube.get("v1", "Secret", ns, "chat-admin")
+        token = admin_token(kube, ns, "chat")
         knobs = kube.get("v1", "ConfigMap", ns, "chat-knobs")
-        return (children_of(kube, ns, "chat") == ONE_OF_EACH and secret and knobs
+        return (children_of(kube, ns, "chat") == ONE_OF_EACH and token and knobs
                 and deployment["spec"]["template"]["spec"]["containers"][0]["image"].startswith("ghcr.io/iterserve")
                 and knobs["data"]["max-num-seqs"] == "12"
                 and deployment["spec"]["template"]["metadata"]["annotations"][TOKEN_DIGEST_ANNOTATION]
-                == token_digest(admin_token_of(secret)))
+                == token_digest(token))
 
     wait_until(repaired, timeout=TIMEOUT, what="every child repaired")
     # a new token (the old Secret is gone) rolls the pods so that they and the operator agree on it
-    assert admin_token_of(kube.get("v1", "Secret", ns, "chat-admin")) != old_token
+    assert admin_token(kube, ns, "chat") != old_token
     k("delete", "deployment", "chat", "-n", ns)
     wait_until(lambda: children_of(kube, ns, "chat") == ONE_OF_EACH, timeout=TIMEOUT, what="the Deployment back")
     wait_for_event(kube, ns, "chat", lambda e: e["reason"] == "Created", "Created")
@@ -185,13 +183,14 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(kube_cluster
             wait_for_status(kube, ns, name, lambda o, g=generation: o.get("status", {}).get("observedGeneration") == g
                             and condition(o, "Degraded").get("status") == "False", "converged")
         assert knobs_written(11) == names
+        assert sorted(admin_secret(kube, ns)["data"]) == names  # one token each in the namespace's Secret
         for name in names:
             assert children_of(kube, ns, name) == {"Deployment": [name], "Service": [name],
-                                                   "Secret": [f"{name}-admin"], "ConfigMap": [f"{name}-knobs"],
-                                                   "PodDisruptionBudget": [name]}
+                                                   "ConfigMap": [f"{name}-knobs"], "PodDisruptionBudget": [name],
+                                                   "NetworkPolicy": [name]}
             deployment = kube.get("apps/v1", "Deployment", ns, name)
             assert deployment["spec"]["replicas"] == 3
-            token = admin_token_of(kube.get("v1", "Secret", ns, f"{name}-admin"))
+            token = admin_token(kube, ns, name)
             assert deployment["spec"]["template"]["metadata"]["annotations"][TOKEN_DIGEST_ANNOTATION] == \
                 token_digest(token)
             # one pod template all along: no restart made a new admin token or rendered the pods differently
@@ -205,11 +204,17 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(kube_cluster
 
 def test_two_operator_replicas_one_leader(kube_cluster, kube_namespace, operator_rbac):
     kube, ns = admin_kube(kube_cluster), kube_namespace
-    a = start_operator(kube_cluster, ns, "--lease-seconds", "4", "--identity", f"{ns}-a", name="a")
+    health = {"a": free_port(), "b": free_port()}
+    a = start_operator(kube_cluster, ns, "--lease-seconds", "4", "--identity", f"{ns}-a", "--health-port",
+                       str(health["a"]), name="a")
     wait_until(lambda: "leading" in log_of(a).replace("waiting to lead", ""), timeout=TIMEOUT, what="a to lead")
-    b = start_operator(kube_cluster, ns, "--lease-seconds", "4", "--identity", f"{ns}-b", name="b")
+    b = start_operator(kube_cluster, ns, "--lease-seconds", "4", "--identity", f"{ns}-b", "--health-port",
+                       str(health["b"]), name="b")
     try:
         wait_until(lambda: "waiting to lead" in log_of(b), timeout=TIMEOUT, what="b to wait")
+        # both replicas answer their probes: the leader from kopf's loop, the standby while it waits
+        for name, role in (("a", "operating"), ("b", "standing by")):
+            wait_until(lambda p=health[name], r=role: healthz(p) == r, timeout=TIMEOUT, what=f"{name} {role}")
         apply_llmservice(kube_cluster, ns, "chat", {"replicas": 2})
         wait_until(lambda: children_of(kube, ns, "chat")["PodDisruptionBudget"] == ["chat"], timeout=TIMEOUT,
                    what="the children")
@@ -217,7 +222,8 @@ def test_two_operator_replicas_one_leader(kube_cluster, kube_namespace, operator
         assert "leading" not in log_of(b).replace("waiting to lead", "")
         created = [e for e in events_for(kube, ns, "chat") if e["reason"] == "Created"]
         assert sorted(e["message"].split(" created")[0] for e in created) == [
-            "ConfigMap chat-knobs", "Deployment chat", "PodDisruptionBudget chat", "Secret chat-admin", "Service chat"]
+            "ConfigMap chat-knobs", "Deployment chat", "NetworkPolicy chat", "PodDisruptionBudget chat",
+            f"Secret {ADMIN_SECRET}", "Service chat"]
         lease = kube.get("coordination.k8s.io/v1", "Lease", "iterserve-system", "iterserve-operator")
         assert lease["spec"]["holderIdentity"] == f"{ns}-a"
 
@@ -232,6 +238,15 @@ def test_two_operator_replicas_one_leader(kube_cluster, kube_namespace, operator
         b.stop()
     assert_no_denials(a)
     assert_no_denials(b)
+
+
+def healthz(port: int) -> str | None:
+    """The role an operator's /healthz reports when it answers 200."""
+    try:
+        answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+    except httpx.HTTPError:
+        return None
+    return answer.json()["role"] if answer.status_code == 200 else None
 
 
 def test_one_operator_serves_every_namespace(kube_cluster, kube_namespace, operator_rbac):
@@ -278,8 +293,7 @@ def test_knob_edit_is_live_and_template_edit_rolls_out(kube_cluster, kube_namesp
                     c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
     def running_knobs(pod: dict) -> dict:
-        token = admin_token_of(kube.get("v1", "Secret", ns, "chat-admin"))
-        return get_scheduler(f"http://{pod['status']['podIP']}:8000", token)["knobs"]
+        return get_scheduler(f"http://{pod['status']['podIP']}:8001", admin_token(kube, ns, "chat"))["knobs"]
 
     def replica_sets() -> list[str]:
         return sorted(rs["metadata"]["name"] for rs in kube.list("apps/v1", "ReplicaSet", ns,
@@ -291,6 +305,9 @@ def test_knob_edit_is_live_and_template_edit_rolls_out(kube_cluster, kube_namesp
                         timeout=2 * TIMEOUT)
         (pod,) = ready_pods()
         assert running_knobs(pod)["max_num_seqs"] == 4 and running_knobs(pod)["prefill_chunk_size"] == 64
+        # the admin API is on the admin port only: the API port answers it as an unknown route
+        with pytest.raises(PodCallError, match="HTTP 404"):
+            get_scheduler(f"http://{pod['status']['podIP']}:8000", admin_token(kube, ns, "chat"))
         sets = replica_sets()
 
         # a knob edit reaches the running pod over HTTP: same pod, no restart, no new ReplicaSet

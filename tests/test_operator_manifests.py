@@ -13,7 +13,9 @@ import kubernetes_validate
 import pytest
 
 from iterserve.operator.builders.deployment import RUN_AS
-from iterserve.operator.constants import KIND
+from iterserve.operator.builders.networkpolicy import NAMESPACE_NAME_LABEL
+from iterserve.operator.builders.secret import ADMIN_SECRET
+from iterserve.operator.constants import DEFAULT_OPERATOR_LABELS, DEFAULT_OPERATOR_NAMESPACE, KIND
 from tests.operator_support import rendered_manifests, schema_errors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +25,21 @@ VERSIONS = ("1.25", kubernetes_validate.latest_version())
 @pytest.fixture(scope="module")
 def rendered() -> list[dict]:
     return rendered_manifests()
+
+
+@pytest.fixture(scope="module")
+def namespaced() -> list[dict]:
+    return rendered_manifests("manifests/namespaced")
+
+
+def only(docs: list[dict], kind: str, name: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def container_of(docs: list[dict]) -> dict:
+    (container,) = only(docs, "Deployment", "iterserve-operator")["spec"]["template"]["spec"]["containers"]
+    return container
 
 
 def test_manifests_render_to_valid_objects(rendered):
@@ -52,6 +69,58 @@ def test_operator_deployment_runs_unprivileged_as_its_service_account(rendered):
                                   "namespace": "iterserve-system"}] for b in bindings)
 
 
+def test_namespaced_mode_has_roles_and_no_cluster_rights(namespaced, rendered):
+    kinds = sorted(doc["kind"] for doc in namespaced)
+    assert kinds == sorted(["Namespace", "CustomResourceDefinition", "ServiceAccount", "Role", "Role",
+                            "RoleBinding", "RoleBinding", "Deployment", "ConfigMap"])
+    for doc in namespaced:
+        kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+    role, binding = only(namespaced, "Role", "iterserve-operator"), only(namespaced, "RoleBinding", "iterserve-operator")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
+    assert binding["roleRef"]["name"] == "iterserve-operator" and binding["roleRef"]["kind"] == "Role"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "iterserve-operator",
+                                    "namespace": "iterserve-system"}]
+    # the same rights as cluster-wide, in one namespace; kopf follows CRDs only cluster-wide
+    cluster_rules = only(rendered, "ClusterRole", "iterserve-operator")["rules"]
+    assert role["rules"] == [r for r in cluster_rules if r["apiGroups"] != ["apiextensions.k8s.io"]]
+    args = container_of(namespaced)["args"]
+    assert "--namespace=team-a" in args and "--all-namespaces" not in args
+    assert not any(a.startswith("--namespace") for a in container_of(rendered)["args"])  # all namespaces
+
+
+@pytest.mark.parametrize("mode", ["manifests", "manifests/namespaced"])
+def test_secret_rights_are_create_and_the_admin_tokens_alone(mode):
+    (rules,) = [d["rules"] for d in rendered_manifests(mode) if d["kind"] in ("ClusterRole", "Role")
+                and d["metadata"]["name"] == "iterserve-operator"]
+    secret_rules = [r for r in rules if "secrets" in r["resources"]]
+    assert all(r["resources"] == ["secrets"] for r in secret_rules)
+    unnamed = {verb for r in secret_rules if "resourceNames" not in r for verb in r["verbs"]}
+    named = {verb for r in secret_rules if r.get("resourceNames") == [ADMIN_SECRET] for verb in r["verbs"]}
+    assert unnamed == {"create"}  # resourceNames cannot restrict create: nothing that reads
+    assert named == {"get", "patch"} and len(secret_rules) == 2
+
+
+def test_operator_pods_match_what_the_network_policies_admit(rendered):
+    """Each LLMService's NetworkPolicy opens the admin port to the operator's namespace (by its name
+    label) and pod labels, as the operator's flags default to them."""
+    namespace = only(rendered, "Namespace", DEFAULT_OPERATOR_NAMESPACE)
+    assert namespace["metadata"]["labels"][NAMESPACE_NAME_LABEL] == DEFAULT_OPERATOR_NAMESPACE
+    deployment = only(rendered, "Deployment", "iterserve-operator")
+    assert deployment["metadata"]["namespace"] == DEFAULT_OPERATOR_NAMESPACE
+    assert DEFAULT_OPERATOR_LABELS.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_operator_has_probes_and_resources(rendered):
+    container = container_of(rendered)
+    args = container["args"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["health"] == int(args[args.index("--health-port") + 1])
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    assert container["resources"]["requests"].keys() == {"cpu", "memory"}
+    assert "memory" in container["resources"]["limits"]
+
+
 def test_samples_render_and_validate():
     docs = rendered_manifests("manifests/samples")
     services = [d for d in docs if d["kind"] == KIND]
@@ -64,7 +133,7 @@ def test_samples_render_and_validate():
 
 
 def test_dashboard_queries_only_documented_metrics():
-    dashboard = json.loads((ROOT / "manifests/grafana-dashboard.json").read_text())
+    dashboard = json.loads((ROOT / "manifests/base/grafana-dashboard.json").read_text())
     documented = set(re.findall(r"`((?:vllm|iterserve):[a-z_]+)", (ROOT / "docs/metrics.md").read_text()))
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     assert len(exprs) >= 10

@@ -46,7 +46,7 @@ INVALID = [
     ({"tuning": {"intervalSeconds": 60, "windowSeconds": 30}}, "spec.tuning.windowSeconds", ">= intervalSeconds"),
     ({"tuning": {"mode": "sometimes"}}, "spec.tuning.mode", "must be one of off, observe, auto"),
     ({"apiKeySecretRef": {"key": "k"}}, "spec.apiKeySecretRef.name", "required"),
-    ({"apiKeySecretRef": {"name": "chat-admin"}}, "spec.apiKeySecretRef.name", "admin-token Secret"),
+    ({"apiKeySecretRef": {"name": "iterserve-admin-tokens"}}, "spec.apiKeySecretRef.name", "admin-token Secret"),
     ({"slo": {"ttftP99Ms": 0}}, "spec.slo.ttftP99Ms", "must be a number"),
     ({"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}, "spec.tolerations[0].value", "Exists"),
     ({"engine": []}, "spec.engine", "must be an object"),

@@ -89,6 +89,18 @@ def test_status_fields_and_the_tuners_condition_is_left_alone():
     assert "ttftP99Ms" not in status  # the tuner's field: not rewritten by the operator
 
 
+@pytest.mark.parametrize("observed_before, generation, expected", [
+    (None, 3, 3), (2, 3, 3), (3, 3, 3),
+    (10, 8, 10),  # a writer holding an older snapshot: the recorded generation stands
+])
+def test_observed_generation_never_goes_backwards(observed_before, generation, expected):
+    current = {} if observed_before is None else {"observedGeneration": observed_before}
+    status = compute_status(Observation(name="chat", generation=generation, replicas_wanted=1,
+                                        deployment=deployment()), current, T0)
+    assert status["observedGeneration"] == expected
+    assert {c["observedGeneration"] for c in status["conditions"]} == {expected}
+
+
 @pytest.mark.parametrize("desired, actual, paths", [
     ({"a": 1, "b": {"c": "x"}}, {"a": 1, "b": {"c": "x", "extra": 2}, "status": {}}, []),
     ({"a": 1}, {"a": 2}, ["a"]),

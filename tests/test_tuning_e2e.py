@@ -24,15 +24,14 @@ import statistics
 import httpx
 import pytest
 
-from iterserve.operator.builders.secret import admin_token_of
 from iterserve.operator.tuning.act import get_scheduler
 from iterserve.server.bench.load import BenchConfig, run_bench
 from iterserve.server.bench.workload import WorkloadSpec, parse_length
 from tests.kube_support import wait_until
 from tests.kubelet_standin import LocalKubelet
 from tests.operator_support import (
-    TIMEOUT, admin_kube, apply_llmservice, assert_no_denials, condition, events_for, merge_patch_llmservice,
-    operator_rbac, start_operator, wait_for_event, wait_for_status,
+    TIMEOUT, admin_kube, admin_token, apply_llmservice, assert_no_denials, condition, events_for,
+    merge_patch_llmservice, operator_rbac, start_operator, wait_for_event, wait_for_status,
 )
 from tests.server_support import add_tiny_tokenizer, free_port, metric_value
 from tests.test_tuning_live import Load
@@ -87,7 +86,7 @@ def test_observe_recommends_then_auto_meets_the_slo_live(kube_cluster, kube_name
         return kube.list("v1", "Pod", ns, f"app.kubernetes.io/instance={NAME}")
 
     def knobs_on(pod: dict) -> dict:
-        return get_scheduler(f"http://{pod['status']['podIP']}:8000", token)["knobs"]
+        return get_scheduler(f"http://{pod['status']['podIP']}:8001", token)["knobs"]  # the admin port
 
     def configmap_seqs() -> int:
         return int(kube.get("v1", "ConfigMap", ns, f"{NAME}-knobs")["data"]["max-num-seqs"])
@@ -107,7 +106,7 @@ def test_observe_recommends_then_auto_meets_the_slo_live(kube_cluster, kube_name
         started = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods()}
         template = kube.get("apps/v1", "Deployment", ns, NAME)["spec"]["template"]
         sets = replica_sets()
-        token = admin_token_of(kube.get("v1", "Secret", ns, f"{NAME}-admin"))
+        token = admin_token(kube, ns, NAME)
         urls = [f"http://{p['status']['podIP']}:8000" for p in pods()]
         assert len(urls) == 2 and all(knobs_on(p)["max_num_seqs"] == 1 for p in pods())
 

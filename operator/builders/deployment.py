@@ -8,10 +8,10 @@ template stays the same when they change and running pods get the new values ove
 from __future__ import annotations
 
 from iterserve.operator.builders.labels import (
-    ANNOTATION_PREFIX, HTTP_PORT, admin_secret_name, child_metadata, knobs_configmap_name, labels,
-    selector_labels,
+    ADMIN_PORT, ADMIN_PORT_NAME, ANNOTATION_PREFIX, HTTP_PORT, child_metadata,
+    knobs_configmap_name, labels, selector_labels,
 )
-from iterserve.operator.builders.secret import TOKEN_KEY
+from iterserve.operator.builders.secret import ADMIN_SECRET
 from iterserve.operator.builders.configmap import configmap_key, env_var
 from iterserve.operator.spec import LLMService
 from iterserve.operator.tuning.act import KNOB_NAMES
@@ -38,7 +38,8 @@ def model_path(svc: LLMService) -> str | None:
 
 def server_args(svc: LLMService) -> list[str]:
     e = svc.engine
-    args = ["--host", "0.0.0.0", "--port", str(HTTP_PORT), "--drain-timeout", str(svc.drain_timeout_seconds)]
+    args = ["--host", "0.0.0.0", "--port", str(HTTP_PORT), "--admin-port", str(ADMIN_PORT),
+            "--drain-timeout", str(svc.drain_timeout_seconds)]
     optional = [
         ("--model", model_path(svc)),
         ("--served-model-name", svc.served_model_name),
@@ -63,7 +64,7 @@ def _env(svc: LLMService) -> list[dict]:
             "valueFrom": {"configMapKeyRef": {"name": knobs_configmap_name(svc.name), "key": configmap_key(knob)}}}
            for knob in KNOB_NAMES]
     env.append({"name": "ITERSERVE_ADMIN_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": admin_secret_name(svc.name), "key": TOKEN_KEY}}})
+                "valueFrom": {"secretKeyRef": {"name": ADMIN_SECRET, "key": svc.name}}})
     if svc.api_key is not None:
         env.append({"name": "ITERSERVE_API_KEY",
                     "valueFrom": {"secretKeyRef": {"name": svc.api_key.name, "key": svc.api_key.key}}})
@@ -93,7 +94,8 @@ def _container(svc: LLMService) -> dict:
         "command": ["iterserve", "serve"],
         "args": server_args(svc),
         "env": _env(svc),
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  {"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"}],
         # loading a model can take minutes: liveness starts counting only once /health answered
         "startupProbe": _http_probe("/health", 5, 120),
         "livenessProbe": _http_probe("/health", 10, 3),

@@ -7,11 +7,9 @@ from iterserve.operator.spec import LLMService
 
 MANAGED_BY = "iterserve-operator"
 HTTP_PORT = 8000
+ADMIN_PORT = 8001  # /admin/* only (`iterserve serve --admin-port`), reachable from the operator alone
+ADMIN_PORT_NAME = "admin"
 ANNOTATION_PREFIX = "iterserve.io/"
-
-
-def admin_secret_name(name: str) -> str:
-    return f"{name}-admin"
 
 
 def knobs_configmap_name(name: str) -> str:

@@ -1,12 +1,13 @@
 """`Tuner`: observe, decide and act for ONE service, with no Kubernetes in sight.
 
-The operator gives it a way to list the ready pods' base URLs, the admin token, a policy, a metrics source
-(`PodScraper` or `PrometheusSource`) and an `apply_knobs` callback that makes new pods start with the
-tuned values (the operator writes the `<name>-knobs` ConfigMap there). Each `tick` observes the window
-since the last change, runs `decide`, and in `auto` mode applies a change first through `apply_knobs`, then
-live on every ready pod (PATCH /admin/scheduler: no restart, no rollout). A pod that was not reached, or
-that appeared since, is brought to the knobs in force on a later tick. The returned `TuningRecord` holds
-everything the operator writes to the LLMService status, the `Tuned` condition and the Event to emit.
+The operator gives it a way to list the ready pods' base URLs (and to map each to its admin API), the
+admin token, a policy, a metrics source (`PodScraper` or `PrometheusSource`) and an `apply_knobs`
+callback that makes new pods start with the tuned values (the operator writes the `<name>-knobs`
+ConfigMap there). Each `tick` observes the window since the last change, runs `decide`, and in `auto`
+mode applies a change first through `apply_knobs`, then live on every ready pod (PATCH
+/admin/scheduler: no restart, no rollout). A pod that was not reached, or that appeared since, is
+brought to the knobs in force on a later tick. The returned `TuningRecord` holds everything the
+operator writes to the LLMService status, the `Tuned` condition and the Event to emit.
 """
 
 from __future__ import annotations
@@ -83,9 +84,12 @@ class Tuner:
     def __init__(self, namespace: str, name: str, *, list_pods: Callable[[], Sequence[str]],
                  admin_token: str | Callable[[], str], policy: TuningPolicy, source: MetricsSource, knobs: Knobs,
                  apply_knobs: Callable[[Knobs], None] | None = None, metrics=None,
-                 clock: Callable[[], float] = time.time, timeout: float = 5.0):
+                 clock: Callable[[], float] = time.time, timeout: float = 5.0,
+                 admin_url: Callable[[str], str] | None = None):
         self.namespace, self.name = namespace, name
         self.list_pods = list_pods
+        # a pod's admin API from its URL (pods that serve /admin on a port of their own); default: the same
+        self.admin_url = admin_url or (lambda url: url)
         self._admin_token = admin_token
         self.policy = policy
         self.source = source
@@ -172,8 +176,9 @@ class Tuner:
             if url in self.synced:
                 continue
             try:
-                if known_differ or get_scheduler(url, self.admin_token, self.timeout)["knobs"] != want:
-                    patch_scheduler(url, self.admin_token, want, self.timeout)
+                admin = self.admin_url(url)
+                if known_differ or get_scheduler(admin, self.admin_token, self.timeout)["knobs"] != want:
+                    patch_scheduler(admin, self.admin_token, want, self.timeout)
                 self.synced.add(url)
             except PodCallError as e:
                 errors.append(str(e))

@@ -19,6 +19,7 @@ import sys
 import time
 
 from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.entrypoints import admin_listener
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from iterserve.server.entrypoints.serve_args import add_server_limit_args, check_secrets, server_limits_from_args
 
@@ -36,6 +37,8 @@ def register(sub) -> None:
                    help="require `Authorization: Bearer KEY` on /v1 (default: env ITERSERVE_API_KEY)")
     p.add_argument("--admin-token", default=os.environ.get("ITERSERVE_ADMIN_TOKEN"),
                    help="token for /admin/scheduler (default: env ITERSERVE_ADMIN_TOKEN; unset: admin off)")
+    p.add_argument("--admin-port", type=int, default=None,
+                   help="serve /admin/* only on this port, on the same host (default: on --port)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="most sequences (prompts x n) waiting; a request that would make more wait gets 429 "
                         "(default: no limit)")
@@ -64,6 +67,7 @@ def _validate(args) -> None:
     if not args.drain_timeout >= 0:
         raise InvalidRequestError("drain_timeout", f"must be >= 0, got {args.drain_timeout}")
     check_secrets(args.api_key, args.admin_token)
+    admin_listener.validate(args.port, args.admin_port, args.admin_token)
 
 
 def build_server_state(engine, model_name: str, *, max_queue: int | None = None, api_key: str | None = None,
@@ -136,11 +140,13 @@ def run(args: argparse.Namespace) -> int:
     state = build_server_state(engine, served_model_name(args.model, args.served_model_name),
                                max_queue=args.max_queue, api_key=args.api_key, admin_token=args.admin_token,
                                limits=limits, scheduling_policy=args.scheduling_policy)
-    server = make_uvicorn_server(create_app(state), state, host=args.host, port=args.port,
+    app, admin = admin_listener.split(create_app(state), host=args.host, admin_port=args.admin_port,
+                                      log_level=args.log_level)
+    server = make_uvicorn_server(app, state, host=args.host, port=args.port,
                                  drain_timeout=args.drain_timeout, log_level=args.log_level)
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
     try:
-        server.run()
+        admin_listener.run(server, admin)
     finally:
         state.engine.shutdown()
         state.prep_pool.shutdown(wait=False, cancel_futures=True)
