@@ -60,7 +60,7 @@ def server_command(name: str, model_dir: Path, port: int, max_model_len: int, th
     flags = VLLM_SERVED_CONFIGS[name.removeprefix("vllm ")]
     cmd = [str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
-           str(max_model_len), "--disable-log-requests", *flags]
+           str(max_model_len), *flags]
     return cmd, vllm_env(threads)
 
 

@@ -27,6 +27,12 @@ class AttentionMetadata:
     # Multi-query requests (prefill chunks), attended one by one.
     multi: list[MultiQuery]
 
+    @property
+    def decode_only(self) -> bool:
+        """One single-query group holding every token of the step, in order (a decode step for the C++
+        kernel): its queries need no gather and its outputs no scatter."""
+        return not self.multi and len(self.single_groups) == 1 and self.single_groups[0].in_step_order
+
 
 @dataclass
 class SingleQueryGroup:
@@ -37,6 +43,7 @@ class SingleQueryGroup:
     # [n] tokens each query attends to, its own included: the CPU kernel walks only these, unpadded
     context_lens: torch.Tensor
     block_size: int
+    in_step_order: bool = False  # token_index is 0..n-1: the group is the whole step, in order
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property

@@ -4,8 +4,9 @@ The torch path (paged_attention_torch.py) attends single-query requests by gathe
 with `index_select` into padded tensors and running masked SDPA over them: every step copies each
 request's whole context twice (K and V), padding included, before reading it again. Profiled, the
 gathers and the SDPA took ~21% of a 50 s CPU benchmark. The kernel walks each request's block table
-in place instead: one pass over its K and V rows, per (request, KV head) with the GQA query heads of
-that KV head together, and an fp32 online softmax; nothing is copied, padded or masked.
+in place instead: one pass over its K and V blocks, the GQA query heads of each KV head together, and
+an fp32 online softmax; nothing is copied, padded or masked. `write_kv` puts the step's new K/V rows in
+their slots, in place of two `index_copy_` calls a layer.
 
 Built on first use by kernels/cpu_extension.py (cached per torch version and CPU; a failed build is
 logged once and leaves the torch path serving). float32 only: other dtypes take the torch path.
@@ -47,3 +48,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert _extension.module is not None, "paged_decode_attention called before available() returned True"
     return _extension.module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                                     block_size, scale)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot_mapping[i]] = k[i] and v_cache[slot_mapping[i]] = v[i]; k, v: [n, num_kv_heads,
+    head_dim]. CPU float32; call only when `available()`."""
+    assert _extension.module is not None, "write_kv called before available() returned True"
+    _extension.module.write_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -29,15 +29,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     Writes k, v into the cache, then returns attention output shaped like q.
     """
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
+    use_kernel = q.device.type == "cpu" and q.dtype == torch.float32 and cpu_paged_attention.available()
+    if use_kernel:
+        cpu_paged_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if use_kernel and meta.decode_only:  # every token is its request's only query: no gather, no scatter
+        g = meta.single_groups[0]
+        return cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, g.context_blocks, g.context_lens,
+                                                          meta.block_size, scale)
     out = torch.empty_like(q)
 
     k_blocks = k_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
     v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
-    use_kernel = q.device.type == "cpu" and q.dtype == torch.float32 and cpu_paged_attention.available()
     for g in meta.single_groups:
         if use_kernel:
             # Straight from the paged cache: no gathered K/V copies, no padding, no mask.

@@ -3,6 +3,7 @@ and the in-process LLMEngine around it."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -123,6 +124,7 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
     # makes garbage, and the collections it set off took a few percent of a busy engine's time.
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)  # at exit everything is collectable again: extensions check for leaks
     return BuiltCore(core, tokenizer, mc.vocab_size, report)
 
 

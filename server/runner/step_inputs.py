@@ -107,7 +107,8 @@ def build_torch_metadata(layout: StepLayout, device: torch.device) -> AttentionM
         layout.block_size, layout.tables, layout.ends, layout.starts, layout.num_new, layout.computed)
     single_groups = []
     padded = not (device.type == "cpu" and cpu_paged_attention.available())
-    for group in _groups_by_context(np.flatnonzero(num_new == 1), ends, padded):
+    singles = np.flatnonzero(num_new == 1)
+    for group in _groups_by_context(singles, ends, padded):
         ctx = ends[group]
         num_blocks = -(-int(ctx.max()) // bs)
         blocks = np.ascontiguousarray(tables[group, :num_blocks])
@@ -116,6 +117,7 @@ def build_torch_metadata(layout: StepLayout, device: torch.device) -> AttentionM
             context_blocks=torch.from_numpy(blocks).to(device),
             context_lens=torch.from_numpy(ctx).to(device),
             block_size=bs,
+            in_step_order=len(group) == len(num_new) and not padded,  # one unsorted group of every request
         ))
 
     multi_queries = []
