@@ -65,7 +65,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out.index_copy_(0, g.token_index, o.reshape(batch, num_heads, head_dim))
 
     for mq in meta.multi:
-        qm = q[mq.start : mq.start + mq.num_query].transpose(0, 1)  # [heads, n, dim]
+        # [1, heads, n, dim]: with a batch dimension (and GQA left to SDPA rather than repeated K/V heads)
+        # torch's CPU SDPA takes its flash kernel even with a mask; 3-D inputs fell to the math path,
+        # which took half of a chunked prefill's step
+        qm = q[mq.start : mq.start + mq.num_query].transpose(0, 1)[None]
         if mq.context_blocks is None:
             km = k[mq.start : mq.start + mq.num_query]
             vm = v[mq.start : mq.start + mq.num_query]
@@ -73,10 +76,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ctx = mq.mask.shape[-1]
             km = k_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
             vm = v_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
-        km = km.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, ctx, dim]
-        vm = vm.transpose(0, 1).repeat_interleave(group, dim=0)
         o = F.scaled_dot_product_attention(
-            qm, km, vm, attn_mask=mq.mask, is_causal=mq.mask is None, scale=scale
+            qm, km.transpose(0, 1)[None], vm.transpose(0, 1)[None], attn_mask=mq.mask, is_causal=mq.mask is None,
+            scale=scale, enable_gqa=group > 1,
         )
-        out[mq.start : mq.start + mq.num_query] = o.transpose(0, 1)
+        out[mq.start : mq.start + mq.num_query] = o[0].transpose(0, 1)
     return out
