@@ -60,7 +60,7 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
     return out
 
 
-@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("head_dim", [128, 64, 32])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_kernel_matches_per_request_reference(kernel, block_size, group, head_dim):

@@ -81,6 +81,66 @@ struct Scratch {
       : q(heads * s.head_dim), acc(heads * s.head_dim), scores(heads * s.block_size), max(heads), sum(heads) {}
 };
 
+// One cache block against one KV head's G query rows: scores[g * bs + t] = q_g . k_t (block_scores), and
+// acc_g += sum_t scores[g * bs + t] v_t (block_apply), for the block's n tokens; K and V rows are
+// `stride` floats apart. The AVX-512 forms keep a query row or an accumulator row in registers for the
+// whole block and sum four tokens' lanes at once; the portable ones serve other CPUs and head sizes.
+template <int64_t kD>
+inline void block_scores(const float* q, int64_t G, const float* k, int64_t n, int64_t stride, int64_t D,
+                         float* scores, int64_t bs) {
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    constexpr int64_t C = kD / 16;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 qv[C];
+      for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * kD + 16 * c);
+      // each token's 16 partial sums folded to 4, then four tokens' folds summed into one vector
+      auto fold = [&](int64_t t) {
+        const float* row = k + t * stride;
+        __m512 p = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
+        for (int64_t c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + 16 * c), p);
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
+        return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      };
+      int64_t t = 0;
+      for (; t + 4 <= n; t += 4) {
+        const __m128 a = _mm_hadd_ps(fold(t), fold(t + 1)), b = _mm_hadd_ps(fold(t + 2), fold(t + 3));
+        _mm_storeu_ps(scores + g * bs + t, _mm_hadd_ps(a, b));
+      }
+      for (; t < n; ++t) scores[g * bs + t] = dot<kD>(q + g * kD, k + t * stride, kD);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t g = 0; g < G; ++g) scores[g * bs + t] = dot<kD>(q + g * D, k + t * stride, D);
+  }
+}
+
+template <int64_t kD>
+inline void block_apply(float* acc, int64_t G, const float* v, int64_t n, int64_t stride, int64_t D,
+                        const float* scores, int64_t bs) {
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    constexpr int64_t C = kD / 16;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a[C];
+      for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + g * kD + 16 * c);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 p = _mm512_set1_ps(scores[g * bs + t]);
+        const float* row = v + t * stride;
+        for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * c), a[c]);
+      }
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * kD + 16 * c, a[c]);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t g = 0; g < G; ++g) axpy<kD>(acc + g * D, scores[g * bs + t], v + t * stride, D);
+  }
+}
+
 // The query heads of KV heads [h0, h1) of one request against its `len` cached tokens, one cache block
 // at a time. Blocks are the outer loop: a block's K rows (then its V rows) for every KV head of the item
 // lie in one contiguous stretch of the cache, so the kernel streams it front to back instead of reading
@@ -106,11 +166,8 @@ void attend_d(const float* q, const float* k_cache, const float* v_cache, const 
     // V's rows of this block are fetched while its scores are computed, and the next block's K rows
     // while V is applied: the hardware prefetcher does not follow a block table.
     prefetch(v_cache + base, span);
-    for (int64_t t = 0; t < n; ++t) {
-      const float* k = k_cache + base + t * slot_stride;
-      for (int64_t h = 0, r = 0; h < h1 - h0; ++h, k += D) {
-        for (int64_t g = 0; g < G; ++g, ++r) w.scores[r * bs + t] = dot<kD>(&w.q[r * D], k, D);
-      }
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      block_scores<kD>(&w.q[h * G * D], G, k_cache + base + h * D, n, slot_stride, D, &w.scores[h * G * bs], bs);
     }
     if (b + 1 < num_blocks) {
       prefetch(k_cache + table[b + 1] * bs * slot_stride + h0 * D, (std::min(bs, len - (b + 1) * bs) - 1) * slot_stride + (h1 - h0) * D);
@@ -133,11 +190,8 @@ void attend_d(const float* q, const float* k_cache, const float* v_cache, const 
       w.sum[r] = w.sum[r] * correction + block_sum;
       w.max[r] = new_max;
     }
-    for (int64_t t = 0; t < n; ++t) {
-      const float* v = v_cache + base + t * slot_stride;
-      for (int64_t h = 0, r = 0; h < h1 - h0; ++h, v += D) {
-        for (int64_t g = 0; g < G; ++g, ++r) axpy<kD>(&w.acc[r * D], w.scores[r * bs + t], v, D);
-      }
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      block_apply<kD>(&w.acc[h * G * D], G, v_cache + base + h * D, n, slot_stride, D, &w.scores[h * G * bs], bs);
     }
   }
   for (int64_t r = 0; r < rows; ++r) scale_into(out + r * D, 1.f / w.sum[r], &w.acc[r * D], D);
