@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import httpx
 import pytest
@@ -20,6 +21,19 @@ def server(tiny_dir):
     with InProcessServer(tiny_dir, model_name=MODEL, api_key="user-key-for-tests", admin_token="admin-secret-for-tests",
                          max_num_seqs=2, kv_cache_memory="16MiB") as srv:
         yield srv
+
+
+def test_a_patch_without_the_token_is_refused_unread(server):
+    """The admin token is checked before the body is read: a client without it sends only a head that
+    announces a large body, and gets its 401 (and a closed connection) rather than a wait for the body."""
+    head = ("PATCH /admin/scheduler HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "Content-Length: 3000000\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 401"), received[:200]
 
 
 def knobs(srv) -> dict:

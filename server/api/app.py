@@ -20,7 +20,8 @@ from starlette.requests import ClientDisconnect
 from iterserve.server.api import admin
 from iterserve.server.api.body_limit import BodyLimit
 from iterserve.server.api.errors import APIError, install_error_handlers
-from iterserve.server.api.protocol import ChatCompletionRequest, CompletionRequest, KnobsPatch, openapi_body
+from iterserve.server.api.protocol import (ChatCompletionRequest, CompletionRequest, KnobsPatch, openapi_body,
+                                           parse_body)
 from iterserve.server.api.response_counter import ResponseCounter
 from iterserve.server.api.responses import chat_body, completion_body, stream_events
 from iterserve.server.api.serving import ServerState, collect, prepare_in_pool, start
@@ -95,9 +96,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def get_scheduler():
         return admin.describe(state)
 
-    @app.patch("/admin/scheduler", dependencies=[Depends(admin_token)])
-    async def patch_scheduler(body: KnobsPatch):
-        return await admin.apply(state, body)
+    @app.patch("/admin/scheduler", dependencies=[Depends(admin_token)], openapi_extra=openapi_body(KnobsPatch))
+    async def patch_scheduler(request: Request):
+        # the body is read here, after the admin token's check: no token, no body read
+        patch = parse_body(KnobsPatch, await request.body(), request.headers.get("content-type"))
+        return await admin.apply(state, patch)
 
     return app
 
