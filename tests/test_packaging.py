@@ -76,3 +76,20 @@ def test_regular_install(tmp_path):
     assert str(target / "iterserve") in subprocess.run(
         [sys.executable, "-c", "import iterserve.server.config as m; print(m.__file__)"],
         cwd=tmp_path, env=env, capture_output=True, text=True).stdout
+
+
+def test_the_in_process_engine_needs_neither_msgspec_nor_zeromq():
+    """The GPU benchmark's machines carry torch and triton and cannot install anything: the offline engine
+    and the GPU benchmark's imports must work where only the server's process split needs msgspec and
+    pyzmq."""
+    check = textwrap.dedent("""
+        import sys
+        sys.modules["msgspec"] = None  # an import of either now fails
+        sys.modules["zmq"] = None
+        from iterserve.server.entrypoints.llm import LLM
+        from iterserve.server.engine.engine_factory import build_engine
+        import iterserve.kernels.triton_backend
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -1,18 +1,19 @@
 """What the engine reports: `CoreOutput` per request and step from the engine core (token ids, no text),
 and `RequestOutput`, the same request as a client sees it once the output processor has detokenized it.
 
-CoreOutput is a msgspec Struct because it crosses the process boundary between the engine core and the
-server (engine/messages.py); RequestOutput never leaves the process that made it.
+CoreOutput crosses the process boundary between the engine core and the server inside a StepReport
+(engine/messages.py; msgspec encodes dataclasses as they are). It stays a plain dataclass so that the
+in-process engine (`LLMEngine`, the GPU benchmark's machines) needs neither msgspec nor ZeroMQ.
+RequestOutput never leaves the process that made it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
 
-
-class CoreOutput(msgspec.Struct, array_like=True, gc=False):
+@dataclass(slots=True)
+class CoreOutput:
     """One request's result of one step: the token it sampled, or how it finished."""
 
     request_id: str
