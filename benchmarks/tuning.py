@@ -223,7 +223,7 @@ def play_round(server: Server, load: StepLoad, policy: TuningPolicy, configs: li
 def with_machine_state(run, server: Server, load: StepLoad, *args) -> dict:
     """`run(server, load, *args)` with what the machine was like around it: the unloaded median
     inter-token gap right before it (calibrate's figure, against which the SLO was set: the machine's
-    speed drifts, by 15-20% between the two rounds of session 15's run W, and a fixed SLO moves with it)
+    speed drifts, by 15-20% between the two rounds of one run, and a fixed SLO moves with it)
     and the 1-minute load average before and after it (others share the cores)."""
     unloaded_itl_ms = calibrate(server, load)["itl_median_ms"]
     before = os.getloadavg()[0]

@@ -213,7 +213,7 @@ def test_machine_speed_flags_the_runs_whose_unloaded_gap_drifted_from_the_calibr
         runs = [{"unloaded_itl_ms": g} for g in gaps]
         return {"max_num_seqs": 64, "prefill_chunk_size": chunk, **({"repeats": runs} if len(runs) > 1 else runs[0])}
 
-    # session 15's run W: calibrated at 48 ms, the second round's runs 15-20% slower
+    # seen on a shared machine: calibrated at 48 ms, the second round's runs 15-20% slower
     result = {"calibration": {"itl_median_ms": 48.0}, "grid": [row(128, 48.4, 57.0), row(256, 43.0, 52.7)],
               "tuned": row(None, 49.0, 56.0)}
     text, drifted = machine_speed(result)

@@ -247,7 +247,7 @@ def test_a_chunk_raised_while_nothing_decoded_goes_back_when_decodes_breach(name
 
 def test_only_raises_the_decodes_did_not_pay_for_are_undone_when_they_return():
     # a TTFT cure made with chats decoding near their SLO was made knowing what it costs them: nothing to
-    # undo when they breach, rule 3 judges it
+    # undo when they breach, judge_last_change judges it
     d = run([window(ttft=1300, itl=40)] * 2)
     assert actions(d) == [HOLD, RAISE_CHUNK] and d[-1].state.chunk_before_cheap_raise is None
     # ... with the last decodes far under it (a phase of documents' onset), it is undone as one with none
@@ -264,11 +264,11 @@ def test_only_raises_the_decodes_did_not_pay_for_are_undone_when_they_return():
 
 
 @pytest.mark.parametrize("name, windows, want_actions, want_chunks", [
-    # session 14's runs T-V: 256 -> 128 for the chats, a raise back to 256 at the documents' onset with the
-    # last chats' decodes far under their SLO; when the chats return, 128 is rule 7's way back, and free
+    # 256 -> 128 for the chats, a raise back to 256 at the documents' onset with the last chats' decodes
+    # far under their SLO; when the chats return, 128 is chunk_back_for_decodes' way back, and free
     ("raised with decodes cheap: the way back stays open", [window(ttft=1300, itl=16), no_decodes(300), ITL_OVER],
      [RAISE_CHUNK, HOLD, LOWER_CHUNK], [256, 256, 128]),
-    # raised with chats decoding near their SLO: the return says 128 did not pay, and rule 7 has nothing to
+    # raised with chats decoding near their SLO: the return says 128 did not pay, and chunk_back_for_decodes has nothing to
     # undo; the ITL breach is confirmed over two windows, and with 128 blocked max_num_seqs backs off
     ("raised with decodes near their SLO: 128 is marked failed",
      [window(ttft=1300, itl=40)] * 2 + [no_decodes(300)] + [ITL_OVER] * 2,
@@ -284,9 +284,8 @@ def test_a_raise_with_decodes_cheap_leaves_the_way_back_to_its_chunk_open(name, 
 
 def test_a_mild_ttft_breach_with_decodes_absent_or_cheap_is_acted_on_at_once():
     """With nothing to decode, or the last decodes far under their SLO, a larger chunk costs no decode that
-    matters: waiting a window to confirm the breach would only let the queue grow (session 11's run N
-    waited 4 s that way at a phase of documents, session 12's run Q 6 s with the last chats' p99 ITL at
-    0.2 of their SLO)."""
+    matters: waiting a window to confirm the breach would only let the queue grow (a tuner that waited lost
+    4 s that way at a phase of documents, and 6 s with the last chats' p99 ITL at 0.2 of their SLO)."""
     assert actions(run([no_decodes(1200)])) == [RAISE_CHUNK]
     assert actions(run([window(ttft=1200, itl=30)])) == [RAISE_CHUNK]  # under half the headroom line (40)
     assert actions(run([window(ttft=1200, itl=40)])) == [HOLD]  # chats near it: the breach is confirmed first
@@ -307,8 +306,8 @@ def test_a_chunk_raised_on_headroom_that_breaks_the_slo_is_rolled_back_and_not_r
     ("ITL over its SLO: rolled back", dataclasses.replace(window(ttft=700, itl=130), request_rate=6), ROLLBACK, 128),
 ])
 def test_a_chunk_raised_on_headroom_is_judged_as_a_ttft_cure(name, after, want_action, want_chunk):
-    """Rule 6's raise meets a queue as it builds: session 13's run S rolled back 128 -> 256 at a
-    documents' onset on the window after it, which still held the documents queued before it."""
+    """raise_chunk_for_prefill's raise meets a queue as it builds: judged as a move from a met SLO, a
+    128 -> 256 raise was rolled back at a documents' onset on the window after it, which still held the documents queued before it."""
     d = run([no_decodes(900), after])
     assert actions(d) == [RAISE_CHUNK, want_action], d[-1].reason
     assert chunks(d)[-1] == want_chunk
@@ -336,7 +335,7 @@ def test_both_over_at_the_lower_bounds_is_bounds_reached():
 def test_both_over_with_ttft_the_farther_takes_a_larger_chunk_when_nothing_else_can_move():
     """A breach that outlasted a window is an overload first (a back-off, a smaller chunk); with both at
     their bounds and TTFT the farther over, the queue compounds while the tuner holds, so a larger chunk
-    is tried (session 13's run R held chunk 256 for 36 s this way while 512 was free). With ITL the
+    is tried (a tuner once held chunk 256 for 36 s this way while 512 was free). With ITL the
     farther over there is still no move: the bounds are reached."""
     at_bounds = TunerState(START.replace(max_num_seqs=2, prefill_chunk_size=32))
     d = run([BOTH_OVER, ONSET], state=at_bounds)

@@ -63,7 +63,7 @@ def count_breach(num: int, last_end: float | None, over: bool, obs: Observation,
     confirm itself. Half an interval of slack absorbs the ticks' jitter. The count lapses only once a
     window that starts more than a window after the last one counted meets the SLO: one clean window
     between two breaches does not clear them. A p99 over a short window swings with whether a long
-    prompt's prefill fell in it; in session 11's run N chats at chunk 256 breached ITL in about every
+    prompt's prefill fell in it; chats at chunk 256 once breached ITL in about every
     other window for 100 s (the clean ones at 100-130 ms against 350), and a count that each clean window
     reset never reached two."""
     if last_end is not None and obs.start - last_end > policy.window_s:
