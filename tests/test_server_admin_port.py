@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from iterserve.operator.tuning.act import get_scheduler, patch_scheduler
+from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from tests.server_support import add_tiny_tokenizer, free_port, metric_value, start_subprocess
 
 TOKEN = "admin-secret-for-the-tests"

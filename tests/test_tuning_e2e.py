@@ -24,7 +24,7 @@ import statistics
 import httpx
 import pytest
 
-from iterserve.operator.tuning.act import get_scheduler
+from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.server.bench.load import BenchConfig, run_bench
 from iterserve.server.bench.workload import WorkloadSpec, parse_length
 from tests.kube_support import wait_until

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from iterserve.operator.tuning.act import get_scheduler
+from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 from iterserve.operator.tuning.policy import TuningPolicy
@@ -52,7 +52,7 @@ def pods(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def reset(pods):
-    from iterserve.operator.tuning.act import patch_scheduler
+    from iterserve.operator.tuning.pod_admin import patch_scheduler
 
     for url in pods:
         patch_scheduler(url, TOKEN, START.as_dict())

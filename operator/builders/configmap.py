@@ -1,7 +1,7 @@
 """ConfigMap `<name>-knobs`: the live knobs in force, read by pods at start through env vars (pure).
 
 Running pods get every change through PATCH /admin/scheduler, so a knob change never restarts a pod.
-The annotation records spec.engine's knobs as the operator last wrote them (see operator/knobs.py).
+The annotation records spec.engine's knobs as the operator last wrote them (see operator/knob_plan.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.operator.tuning.act import PodCallError, get_scheduler, patch_scheduler
+from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler, patch_scheduler
 from tests.server_support import add_tiny_tokenizer, free_port, metric_value, start_subprocess
 
 TOKEN = "admin-secret-for-tests"
