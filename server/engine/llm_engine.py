@@ -33,12 +33,6 @@ class LLMEngine:
         engine._wrap(core, tokenizer, vocab_size)
         return engine
 
-    @classmethod
-    def from_config(cls, config) -> "LLMEngine":
-        from iterserve.server.engine.engine_factory import build_engine
-
-        return build_engine(config)
-
     def _wrap(self, core: EngineCore, tokenizer, vocab_size: int) -> None:
         self.core = core
         self.tokenizer = tokenizer
