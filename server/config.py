@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from iterserve.common import wire
 from iterserve.server.engine.knobs import SchedulerKnobs
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.engine.scheduler import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -14,7 +14,7 @@ from iterserve.common import wire
 from iterserve.server.api.errors import APIError
 from iterserve.server.api.protocol import KnobsPatch
 from iterserve.server.api.serving import ServerState
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 logger = logging.getLogger("iterserve.admin")
 

@@ -26,7 +26,8 @@ from iterserve.server.api.protocol import (MAX_CHOICES, SEED_MAX, ChatCompletion
                                            parse_body)
 from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 
 
 def _prep_pool() -> ThreadPoolExecutor:

@@ -19,7 +19,7 @@ from iterserve.server.engine.block_manager import BlockManager
 from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
 from iterserve.server.engine.outputs import CoreOutput
 from iterserve.server.engine.request import Request, RequestStatus
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:  # the engine does not import the runner: the runner is handed in

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from iterserve.common import wire
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from tqdm import tqdm
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.engine_factory import build_engine
 from iterserve.server.engine.outputs import RequestOutput
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 
 
 class LLM:

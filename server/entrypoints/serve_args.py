@@ -8,7 +8,7 @@ import argparse
 from iterserve.common import wire
 from iterserve.server.api.limits import DEFAULT_MAX_PROMPT_TOKENS, SCHEDULING_POLICIES, ServerLimits
 from iterserve.server.config import parse_memory
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 MIN_SECRET_LENGTH = 16
 _D = ServerLimits()

@@ -20,7 +20,7 @@ from iterserve.kernels.cpu_layer_ops import CpuLayerOps
 from iterserve.kernels.layer_ops import AttentionFn, LayerOps
 from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.config import ATTENTION_BACKENDS
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.runner.step_inputs import build_torch_metadata
 
 
