@@ -7,6 +7,12 @@ When the build fails (no compiler, say), `available()` is False, the reason is l
 caller's torch path serves. An environment variable set to `torch` forces that path without building
 anything: the A/B comparison against the kernel, and a kill switch. It is read on every call, so it can
 be flipped in-process.
+
+An image carries them prebuilt instead (it has no compiler, and its root filesystem is read-only): set
+ITERSERVE_CPU_KERNELS_DIR to a directory that `python -m iterserve.kernels.prebuild DIR` filled at image
+build time, one build per torch version and x86-64 microarchitecture level (`-march=x86-64-v3` for AVX2,
+`-v4` for AVX-512). A process loads the best level this CPU runs and builds nothing; when none fits,
+it falls back to building (and, without a compiler, to the torch path, saying so).
 """
 
 from __future__ import annotations
@@ -24,6 +30,45 @@ import torch
 logger = logging.getLogger("iterserve.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
+
+
+PREBUILT_ENV = "ITERSERVE_CPU_KERNELS_DIR"
+# x86-64 microarchitecture levels a prebuilt kernel may target, best first, with the CPU flags each needs
+# (/proc/cpuinfo's names; `abm` is lzcnt). The kernels' own #ifdefs pick AVX-512 or AVX2 code from them.
+_V2 = {"sse4_2", "ssse3", "popcnt", "cx16"}
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+MARCH_LEVELS = (("x86-64-v4", _V4), ("x86-64-v3", _V3), ("x86-64-v2", _V2))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
+    except OSError:
+        return set()
+
+
+def supported_marches() -> list[str]:
+    """The -march levels this CPU runs, best first (none off x86-64)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = _cpu_flags()
+    return [march for march, needs in MARCH_LEVELS if needs <= flags]
+
+
+def prebuilt_path(root: Path, march: str, name: str) -> Path:
+    return Path(root) / torch.__version__ / march / f"{name}.so"
+
+
+def _import_library(name: str, path: Path) -> ModuleType:
+    """What torch.utils.cpp_extension.load does once its build is done: import the .so as module `name`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cpu_tag() -> str:
@@ -52,20 +97,41 @@ class CppExtension:
         self.failed = False
         self._lock = threading.Lock()
 
-    def _build(self) -> ModuleType:
+    def compile(self, build_dir: Path, march: str = "native") -> ModuleType:
+        """Build (or, when nothing changed, load) the extension in build_dir with -march=`march`."""
         from torch.utils.cpp_extension import load
 
-        # One directory per extension: torch writes a single build.ninja per directory, and ninja drops
-        # the log entries of outputs its current build.ninja does not name, which would make two
-        # extensions sharing a directory rebuild each other in turn.
-        build_dir = (Path.home() / ".cache" / "iterserve" / "torch_extensions" / torch.__version__
-                     / _cpu_tag() / self.name)
         build_dir.mkdir(parents=True, exist_ok=True)
         # -fopenmp: at::parallel_for runs on torch's OpenMP pool only when the including code is compiled
         # with OpenMP (the soname resolves to the libgomp torch already loaded); it also enables `omp simd`.
-        flags = ["-O3", "-march=native", "-fopenmp", *self.extra_cflags]
+        flags = ["-O3", f"-march={march}", "-fopenmp", *self.extra_cflags]
         return load(name=self.name, sources=[str(self.source)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+
+    def _prebuilt(self) -> ModuleType | None:
+        """The best prebuilt library under $ITERSERVE_CPU_KERNELS_DIR this CPU runs, imported; None when
+        the variable is unset or nothing there fits this torch and CPU (logged: the build comes next)."""
+        root = os.environ.get(PREBUILT_ENV)
+        if not root:
+            return None
+        for march in supported_marches():
+            path = prebuilt_path(Path(root), march, self.name)
+            if path.exists():
+                module = _import_library(self.name, path)
+                logger.info("%s: prebuilt for %s (%s)", self.what, march, path)
+                return module
+        logger.warning("%s: nothing prebuilt in %s=%s for torch %s on this CPU (%s); building it", self.what,
+                       PREBUILT_ENV, root, torch.__version__, ", ".join(supported_marches()) or platform.machine())
+        return None
+
+    def _build(self) -> ModuleType:
+        if (module := self._prebuilt()) is not None:
+            return module
+        # One directory per extension: torch writes a single build.ninja per directory, and ninja drops
+        # the log entries of outputs its current build.ninja does not name, which would make two
+        # extensions sharing a directory rebuild each other in turn.
+        return self.compile(Path.home() / ".cache" / "iterserve" / "torch_extensions" / torch.__version__
+                            / _cpu_tag() / self.name)
 
     def available(self) -> bool:
         """Whether the kernel serves: not forced off by `env_var`=torch, and built/loaded.

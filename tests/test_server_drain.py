@@ -1,9 +1,11 @@
 """`iterserve serve` as a process: SIGTERM under load drains (readiness fails at once, new requests get
-503, every in-flight request completes) and the process exits 0; the API key comes from the env."""
+503, every in-flight request completes, keep-alive connections close so that clients reconnect elsewhere)
+and the process exits 0; the API key comes from the env."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import signal
 import subprocess
@@ -69,6 +71,35 @@ def test_sigterm_drains_in_flight_and_exits_zero(tiny_dir):
             proc.kill()
         out = proc.communicate()[0]
     assert "Traceback" not in out, out
+
+
+def test_sigterm_closes_keep_alive_connections_idle_at_once_busy_after_their_response(tiny_dir):
+    """Behind a Service, a client's pooled connection to a pod that is going away would carry its next
+    request there (and get a 503): the drain closes them, so the next request opens a new connection."""
+    # an idle connection would otherwise close only after a minute (the keep-alive timeout): the socket's
+    # 20 s timeout fails the test instead
+    proc, url = start_subprocess("--model", tiny_dir, "--kv-cache-memory", "16MiB", "--drain-timeout", "60",
+                                 "--keep-alive-timeout", "60")
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        idle = http.client.HTTPConnection(host, int(port), timeout=20)
+        idle.request("GET", "/health")
+        assert idle.getresponse().read() and idle.sock is not None  # kept alive
+        busy = http.client.HTTPConnection(host, int(port), timeout=20)
+        busy.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps({"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}))
+        stream = busy.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        assert idle.sock.recv(1) == b""  # closed by the server (a timeout would raise)
+        rest = stream.read()  # the stream still completes ...
+        assert rest.rstrip().endswith(b"data: [DONE]") and rest.count(b"data: ") > 10
+        assert busy.sock.recv(1) == b""  # ... and then its connection closes
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def test_bad_flag_exits_2(tiny_dir):

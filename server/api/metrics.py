@@ -110,6 +110,12 @@ class Metrics:
         self.draining = own_gauge("iterserve:draining", "1 while the server drains after SIGTERM, else 0.")
         self.in_flight = own_gauge("iterserve:num_requests_in_flight",
                                    "HTTP-side requests (choices) queued or running, not yet answered.")
+        # 0 for a kernel means the engine runs the slower torch path in its place (no series off CPU fp32)
+        cpu_kernels = Gauge("iterserve:cpu_kernels_available",
+                            "1 when the C++ CPU kernel serves, 0 when the slower torch path stands in for it.",
+                            own + ["kernel"], registry=r)
+        for kernel, serving in engine.cpu_kernels.items():
+            cpu_kernels.labels(model_name, kernel).set(1 if serving else 0)
         self.knob_changes = Counter("iterserve:knob_changes", "Number of scheduler knob changes applied.",
                                     own, registry=r).labels(model_name)
         self.step_failures = Counter("iterserve:engine_step_failures",

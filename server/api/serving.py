@@ -84,7 +84,7 @@ class Job:
 def check_admission(state: ServerState, job: Job) -> None:
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", code="draining",
-                       headers={"Retry-After": "1"})
+                       headers={"Retry-After": "1", "Connection": "close"})
     if state.max_queue is None:
         return
     waiting = state.engine.snapshot()["num_waiting"]

@@ -69,6 +69,7 @@ class EngineClient:
         self.core = None  # the EngineCore itself, in-process only
         self.step_observers: list[Callable[[StepInfo], None]] = []
         self.num_step_failures = 0
+        self.cpu_kernels: dict[str, bool] = {}  # from the core's Ready: C++ CPU kernel -> serving
         # request id -> (event loop, queue) of the coroutine awaiting its outputs
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # _streams and the output processor
@@ -90,6 +91,7 @@ class EngineClient:
         self.tokenizer = tokenizer
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.kv_cache_report = ready.kv_cache_report
+        self.cpu_kernels = dict(ready.cpu_kernels)
         self._snapshot = ready.snapshot
         self.input_processor = InputProcessor(tokenizer, ready.max_model_len, ready.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)

@@ -107,7 +107,8 @@ def ready_message(built, snapshot: Snapshot) -> Ready:
     core = built.core
     return Ready(max_model_len=core.max_model_len, vocab_size=built.vocab_size,
                  num_blocks=core.block_manager.num_blocks, block_size=core.block_manager.block_size,
-                 kv_cache_report=built.kv_cache_report, pid=os.getpid(), snapshot=snapshot)
+                 kv_cache_report=built.kv_cache_report, pid=os.getpid(), snapshot=snapshot,
+                 cpu_kernels=built.cpu_kernels)
 
 
 def startup_failure(exc: Exception) -> StartupFailed:

@@ -70,6 +70,7 @@ class BuiltCore:
     tokenizer: object | None
     vocab_size: int
     kv_cache_report: str
+    cpu_kernels: dict[str, bool]  # ModelRunner.cpu_kernels
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -125,7 +126,7 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)  # at exit everything is collectable again: extensions check for leaks
-    return BuiltCore(core, tokenizer, mc.vocab_size, report)
+    return BuiltCore(core, tokenizer, mc.vocab_size, report, runner.cpu_kernels)
 
 
 def load_config_tokenizer(config: EngineConfig):

@@ -59,6 +59,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     kv_cache_report: str
     pid: int
     snapshot: Snapshot  # the core's state before its first step (the knobs in force, above all)
+    cpu_kernels: dict[str, bool] = {}  # C++ CPU kernel -> serving (False: the slower torch path)
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):

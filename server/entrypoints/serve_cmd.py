@@ -97,6 +97,12 @@ def make_uvicorn_server(app, state, *, host: str, port: int, drain_timeout: floa
                 state.begin_drain()
                 logger.info("SIGTERM: draining %d in-flight requests (at most %.0f s)",
                             state.engine.num_in_flight, drain_timeout)
+                # A client's keep-alive connection would bring its next request here, where it gets a 503,
+                # although the Service no longer sends anything new to this pod. As uvicorn's own shutdown
+                # does: idle connections close now, busy ones once their response is sent, so the client's
+                # next request opens a connection, through the Service, to a pod that stays.
+                for connection in list(self.server_state.connections):
+                    connection.shutdown()
                 return
             super().handle_exit(sig, frame)
 
@@ -138,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.server.api.app import create_app
 
     logger.info(engine.kv_cache_report)
+    if missing := [kernel for kernel, serving in engine.cpu_kernels.items() if not serving]:
+        logger.warning("C++ CPU kernels not serving: %s; the slower torch path runs instead (the engine core's "
+                       "log above says why; iterserve:cpu_kernels_available shows it)", ", ".join(missing))
     state = build_server_state(engine, served_model_name(args.model, args.served_model_name),
                                max_queue=args.max_queue, api_key=args.api_key, admin_token=args.admin_token,
                                limits=limits, scheduling_policy=args.scheduling_policy)

@@ -46,10 +46,12 @@ class ModelRunner:
             model.load_weights(weights)
         if onednn_packing_supported(device, dtype):
             model.pack_linears()
+        # which C++ CPU kernels serve (the torch path stands in for a missing one); empty where none applies
+        self.cpu_kernels: dict[str, bool] = {}
         if self.backend.name == "torch" and device.type == "cpu" and dtype == torch.float32:
             # their one-time builds happen at start-up, not in a request's step
-            cpu_paged_attention.available()
-            cpu_layer_ops.available()
+            self.cpu_kernels = {"paged_attention": cpu_paged_attention.available(),
+                                "layer_ops": cpu_layer_ops.available()}
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and self.backend.name == "triton"
