@@ -32,7 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*`, run as a file
 
-from benchmarks.peer_served import VLLM_SERVED_CONFIGS, Server  # noqa: E402
+from benchmarks.peer_served import VLLM_SERVED_CONFIGS, Server, figure  # noqa: E402
 from benchmarks.peer_vllm import INSTALLED_MARKER  # noqa: E402
 from benchmarks.prepare_model import prepare_hf_model  # noqa: E402
 from iterserve.server.bench.load import BenchConfig, run_bench  # noqa: E402
@@ -89,13 +89,6 @@ def measure(name: str, args, model_dir: Path, log_dir: Path) -> dict:
     finally:
         server.stop()
     return results
-
-
-def figure(summary: dict, path: tuple[str, ...]) -> float:
-    value = summary
-    for key in path:
-        value = value[key]
-    return float(value)
 
 
 def main() -> None:

@@ -2,12 +2,12 @@
 
 A shape is a pair of length distributions (prompt tokens, output tokens), or a mixture of such pairs
 (`mixed`), or the lines of a JSONL file, or prompts sharing prefixes (`system-prompt`, `multi-turn`,
-`shared-mix`: shared_prefix.py, with --prefix-len, --num-prefixes and --num-turns). Synthetic prompts are lists of token ids drawn from a range
-that is printable ASCII in the common byte-level vocabularies (SmolLM2, GPT-2, Llama 3, Qwen), so the
-prompt length is exact without a tokenizer; `words_prompt` builds a text prompt of about the same
-number of tokens for servers (or the chat endpoint) that take text only, exactly that number when a
-tokenizer is given (`--tokenizer`: a tokenizer.json or a model directory holding one). Output lengths are enforced
-by sending `max_tokens` with `ignore_eos`.
+`shared-mix`: shared_prefix.py, with --prefix-len, --num-prefixes and --num-turns). Synthetic prompts
+are lists of token ids drawn from a range that is printable ASCII in the common byte-level vocabularies
+(SmolLM2, GPT-2, Llama 3, Qwen), so the prompt length is exact without a tokenizer; `words_prompt` builds
+a text prompt of about the same number of tokens for servers (or the chat endpoint) that take text only,
+exactly that number when a tokenizer is given (`--tokenizer`: a tokenizer.json or a model directory
+holding one). Output lengths are enforced by sending `max_tokens` with `ignore_eos`.
 
 Length specs on the command line: `128` or `fixed:128`, `uniform:32:256` (both ends included),
 `lognormal:128:0.6` (median 128 tokens, sigma 0.6 of the underlying normal).

@@ -3,7 +3,8 @@
 frontend -> core: AddRequest, Abort, UpdateKnobs, ResetPrefixCache, Shutdown.
 core -> frontend: Ready (or StartupFailed) once, then a StepReport per step (and after every knob
 change or prefix cache reset, so an idle engine's state is current), KnobsReply per UpdateKnobs,
-PrefixCacheReset per ResetPrefixCache, StepFailed when a step raised. Every request-level field is keyed by request id; nothing depends on positions.
+PrefixCacheReset per ResetPrefixCache, StepFailed when a step raised. Every request-level field is
+keyed by request id; nothing depends on positions.
 """
 
 from __future__ import annotations
