@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 
 def server_command(name: str, model_dir: Path, port: int, max_model_len: int, threads: int,
-                   iterserve_args: list[str]) -> tuple[list[str], dict]:
+                   iterserve_args: list[str], vllm_args: list[str] = ()) -> tuple[list[str], dict]:
     if name == "iterserve":
         cmd = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "serve", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
@@ -60,7 +60,7 @@ def server_command(name: str, model_dir: Path, port: int, max_model_len: int, th
     flags = VLLM_SERVED_CONFIGS[name.removeprefix("vllm ")]
     cmd = [str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
-           str(max_model_len), *flags]
+           str(max_model_len), *flags, *vllm_args]
     return cmd, vllm_env(threads)
 
 
@@ -68,10 +68,10 @@ class Server:
     """One server process in its own session (vLLM forks an engine core), stopped with its children."""
 
     def __init__(self, name: str, model_dir: Path, max_model_len: int, threads: int, log_dir: Path,
-                 iterserve_args: list[str]):
+                 iterserve_args: list[str], vllm_args: list[str] = ()):
         self.name, self.port = name, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd, env = server_command(name, model_dir, self.port, max_model_len, threads, iterserve_args)
+        cmd, env = server_command(name, model_dir, self.port, max_model_len, threads, iterserve_args, vllm_args)
         self.log = log_dir / f"{name.replace(' ', '-')}-{self.port}.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

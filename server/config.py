@@ -37,6 +37,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA + Triton only); off: --enforce-eager
     load_format: str = "auto"  # or "dummy": the config.json's shape with random weights (benchmarks)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes computed before (vLLM's default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -45,8 +46,9 @@ class EngineConfig:
             raise InvalidRequestError("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise InvalidRequestError("cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.policy not in POLICIES:
             raise InvalidRequestError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
         for name in ("block_size",):

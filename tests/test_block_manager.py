@@ -14,7 +14,7 @@ def _owned(bm: BlockManager) -> list[int]:
 def _check_conservation(bm: BlockManager) -> None:
     owned = _owned(bm)
     assert len(owned) == len(set(owned)), "a block is owned twice"
-    free = list(bm._free_block_ids)
+    free = bm.free_block_ids()
     assert len(free) == len(set(free)), "a block is free twice"
     assert not set(owned) & set(free), "a block is both owned and free"
     assert sorted(owned + free) == list(range(bm.num_blocks))
@@ -93,12 +93,12 @@ def test_over_allocation_raises_and_changes_nothing(num_blocks, block_size, held
     bm = BlockManager(num_blocks, block_size)
     if held_tokens:
         bm.allocate("other", held_tokens)
-    before_free = list(bm._free_block_ids)
+    before_free = bm.free_block_ids()
     before_tables = {k: list(v) for k, v in bm.block_tables.items()}
     assert not bm.can_allocate("r", request_tokens)
     with pytest.raises(RuntimeError):
         bm.allocate("r", request_tokens)
-    assert list(bm._free_block_ids) == before_free
+    assert bm.free_block_ids() == before_free
     assert {k: v for k, v in bm.block_tables.items() if v} == before_tables
     _check_conservation(bm)
 
@@ -122,7 +122,7 @@ def test_free_returns_every_block():
     bm.free("b")
     assert "b" not in bm.block_tables
     assert bm.num_free_blocks == 2
-    assert set(b_blocks) <= set(bm._free_block_ids)
+    assert set(b_blocks) <= set(bm.free_block_ids())
     _check_conservation(bm)
     bm.free("a")
     bm.free("c")

@@ -1,5 +1,6 @@
-"""Property tests of the scheduler and the KV block bookkeeping, driven through LLMEngine.step() with
-the NullModelRunner (no model: each next token is a function of the request's own tokens only).
+"""Property tests of the scheduler and the KV block bookkeeping, prefix caching included, driven through
+LLMEngine.step() with the KVTraceRunner (no model: each next token is a function of the prefix read back
+from an emulated paged KV cache, so a block shared or found wrongly makes a wrong token).
 
 A hypothesis state machine adds requests, aborts them, changes the live knobs and steps the engine,
 checking after every step the invariants listed in EngineMachine._check_schedule / _check_state; its
@@ -21,9 +22,8 @@ from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.engine.request import RequestStatus
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.errors import InvalidRequestError
-from iterserve.server.runner.null_runner import NullModelRunner
-
-VOCAB = 1000
+from tests.kv_trace_runner import VOCAB, KVTraceRunner
+from tests.kv_trace_runner import next_token as _trace_next_token
 KNOB_NAMES = tuple(f.name for f in dataclasses.fields(SchedulerKnobs))
 
 
@@ -32,8 +32,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_token(tokens: list[int]) -> int:
-    """The NullModelRunner's next token after `tokens` (prompt + output so far)."""
-    return (len(tokens) * 31 + tokens[-1]) % VOCAB
+    """The KVTraceRunner's next token after `tokens` (prompt + output so far)."""
+    return _trace_next_token(tokens)
 
 
 def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
@@ -48,11 +48,11 @@ def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> 
 
 
 def make_engine(*, policy: str, block_size: int, num_blocks: int, max_model_len: int, knobs: SchedulerKnobs,
-                prepare_inputs: bool = True) -> LLMEngine:
+                prepare_inputs: bool = True, enable_prefix_caching: bool = True) -> LLMEngine:
     return LLMEngine(
-        NullModelRunner(block_size=block_size, vocab_size=VOCAB, prepare_inputs=prepare_inputs),
+        KVTraceRunner(block_size=block_size, vocab_size=VOCAB, prepare_inputs=prepare_inputs),
         tokenizer=None, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
-        knobs=knobs, policy=policy, eos_token_ids=(), vocab_size=VOCAB,
+        knobs=knobs, policy=policy, eos_token_ids=(), vocab_size=VOCAB, enable_prefix_caching=enable_prefix_caching,
     )
 
 
@@ -76,6 +76,7 @@ class Tracked:
     finish_reason: str | None = None
     abort_requested: bool = False  # aborted while still unfinished (from the test's point of view)
     num_finished_outputs: int = 0
+    num_cached: int | None = None  # prompt tokens found cached at its first admission
 
     @property
     def finished(self) -> bool:
@@ -109,6 +110,7 @@ class Captured:
 
 class EngineMachine(RuleBasedStateMachine):
     POLICY: str = ""  # "continuous" or "static": set by the concrete subclasses below
+    CACHING: bool = True  # prefix caching on
 
     def __init__(self):
         super().__init__()
@@ -120,7 +122,8 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.integers(1, 8),
         max_model_len=st.integers(2, 32),
-        extra_blocks=st.integers(0, 3),
+        # a tight pool (preemptions, evictions) or room for cached prefixes to be found again
+        extra_blocks=st.integers(0, 3) | st.integers(8, 24),
         max_num_seqs=st.integers(1, 6),
         budget=st.integers(1, 40),
         chunk=st.integers(1, 16),
@@ -133,7 +136,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.knobs = SchedulerKnobs(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                     prefill_chunk_size=chunk)
         self.eng = make_engine(policy=self.policy, block_size=block_size, num_blocks=self.num_blocks,
-                               max_model_len=max_model_len, knobs=self.knobs)
+                               max_model_len=max_model_len, knobs=self.knobs, enable_prefix_caching=self.CACHING)
+        self.num_resets = 0
+        self.num_shared_seen = 0
         self.reqs: dict[str, Tracked] = {}
         self.pending_aborts: set[str] = set()  # unfinished requests aborted since the last step
         self.num_preempted_seen = 0
@@ -188,10 +193,35 @@ class EngineMachine(RuleBasedStateMachine):
             self._add(length, max_tokens, priority, seed=self.next_id * 13)
         self._ok = True
 
-    def _add(self, length: int, max_tokens: int, priority: int, seed: int) -> None:
+    @rule(data=st.data(), max_tokens=st.integers(1, 24), priority=st.integers(-2, 2), seed=st.integers(0, VOCAB),
+          copies=st.integers(1, 3))
+    def add_sharing_request(self, data, max_tokens, priority, seed, copies):
+        """Prompts that begin with some earlier request's tokens (its prompt and output so far), cut
+        anywhere: inside a block, on a block boundary, or not at all (the same prompt again); `copies`
+        of them at once, so they share blocks while running."""
+        self._ok = False
+        if self.reqs:
+            rid = data.draw(st.sampled_from(sorted(self.reqs)), label="shares_with")
+            tokens = (self.reqs[rid].prompt + self.reqs[rid].outputs)[: self.max_model_len - 1]
+            shared = data.draw(st.integers(1, len(tokens)), label="shared_len")
+            for _ in range(copies):
+                length = data.draw(st.integers(shared, self.max_model_len - 1), label="prompt_len")
+                self._add(length, max_tokens, priority, seed, tokens[:shared])
+        self._ok = True
+
+    @rule()
+    def reset_prefix_cache(self):
+        self._ok = False
+        before = self.eng.block_manager.pool.num_cached
+        assert self.eng.reset_prefix_cache() == before
+        assert self.eng.block_manager.pool.num_cached == self.eng.block_manager.num_cached_free_blocks == 0
+        self.num_resets += 1
+        self._ok = True
+
+    def _add(self, length: int, max_tokens: int, priority: int, seed: int, head: list[int] = ()) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
-        prompt = make_prompt(length, seed)
+        prompt = list(head) + make_prompt(length - len(head), seed)
         got = self.eng.add_request(prompt_token_ids=prompt, sampling_params=params(max_tokens),
                                    request_id=rid, priority=priority)
         assert got == rid
@@ -289,6 +319,9 @@ class EngineMachine(RuleBasedStateMachine):
         sched, bm = self.eng.scheduler, self.eng.block_manager
         assert not sched.running and not sched.waiting and not sched._live
         assert bm.num_free_blocks == bm.num_blocks and bm.block_tables == {} and bm.usage == 0.0
+        assert all(count == 0 for count in bm.pool.ref_counts)
+        if not self.CACHING:
+            assert bm.pool.num_cached == 0 and eng_hits(self.eng) == (0, 0)
         assert not self.pending_aborts
         for tr in self.reqs.values():
             assert tr.finished, tr
@@ -302,6 +335,10 @@ class EngineMachine(RuleBasedStateMachine):
             assert tr.outputs == reference_output(tr.prompt, tr.max_tokens, self.max_model_len)[: len(tr.outputs)]
         if self.num_preempted_seen:
             event("preemptions happened")
+        if eng_hits(self.eng)[1]:
+            event("prefix cache hits happened")
+        if self.num_shared_seen:
+            event("running requests shared a block")
         if any(t.abort_requested for t in self.reqs.values()):
             event("aborts happened")
 
@@ -352,6 +389,10 @@ class EngineMachine(RuleBasedStateMachine):
         for s, req, n, c, total, tlen in zip(out.scheduled, cap.scheduled, cap.num_scheduled, cap.computed_before,
                                              cap.num_tokens_before, cap.table_lens):
             assert 1 <= n, (req, n, knobs)
+            tr = self.reqs[req.request_id]
+            if tr.num_cached is None:  # its first admission: from a cached prefix of whole blocks
+                tr.num_cached = c
+                assert c % bs == 0 and c < total and (self.CACHING or c == 0), (req, c)
             assert c + n <= total, f"{req} scheduled {n} tokens past its end"
             # the runner's contract: the tokens to compute, from where, and whether to sample after them
             assert s.new_token_ids == req.token_ids[c : c + n], (s, req)
@@ -429,6 +470,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert o.finished and o.finish_reason == "abort" and o.new_token_ids == [], o
             else:
                 assert len(o.new_token_ids) == 1, o
+                assert o.num_cached_tokens == tr.num_cached, (o, tr)
                 expected = next_token(tr.prompt + tr.outputs)
                 assert o.new_token_ids == [expected], f"{o.request_id}: got {o.new_token_ids}, expected {expected}"
             tr.outputs = tr.outputs + list(o.new_token_ids)
@@ -449,12 +491,29 @@ class EngineMachine(RuleBasedStateMachine):
         eng = self.eng
         sched, bm = eng.scheduler, eng.block_manager
         bs = self.block_size
-        # every block is owned by at most one request, and owned + free == total
+        # a block's reference count is the number of tables holding it (never negative); a block is
+        # either held or free, never both; owned + free == total
         owned = [b for t in bm.block_tables.values() for b in t]
-        free = list(bm._free_block_ids)
-        assert len(owned) == len(set(owned)), f"a block is owned twice: {bm.block_tables}"
+        free = bm.free_block_ids()
+        counts = bm.pool.ref_counts
+        self.num_shared_seen += any(c > 1 for c in counts)
+        assert all(counts[b] == owned.count(b) for b in range(bm.num_blocks)), (bm.block_tables, counts)
         assert len(free) == len(set(free)), "a block is free twice"
-        assert sorted(owned + free) == list(range(bm.num_blocks)), (bm.block_tables, free)
+        assert not set(free) & set(owned), f"a block is both free and referenced: {bm.block_tables} {free}"
+        assert sorted(set(owned) | set(free)) == list(range(bm.num_blocks)), (bm.block_tables, free)
+        assert bm.num_used_blocks == len(set(owned))
+        # a block held by several requests is a full one of each (only full blocks are shared, never written)
+        for r in sched.running:
+            for i, b in enumerate(bm.block_tables[r.request_id]):
+                assert counts[b] == 1 or (i + 1) * bs <= r.num_computed_tokens, (r, i, b, counts[b])
+        if not self.CACHING:
+            assert bm.pool.num_cached == 0
+        # every computed position holds its request's own prefix; every cached block its hash's prefix
+        eng.model_runner.check_cache(bm, sched.running)
+        first_admitted = [t for t in self.reqs.values() if t.num_cached is not None]
+        if self.CACHING:
+            assert eng_hits(eng) == (sum(len(t.prompt) for t in first_admitted),
+                                     sum(t.num_cached for t in first_admitted))
         # only running requests own blocks, exactly ceil(num_computed_tokens / block_size) of them
         running_ids = [r.request_id for r in sched.running]
         assert len(running_ids) == len(set(running_ids))
@@ -481,8 +540,8 @@ class EngineMachine(RuleBasedStateMachine):
                 assert rid not in bm.block_tables
         assert eng.has_unfinished_requests() == bool(unfinished)
         # a request never holds more than one partly filled block
-        filled = sum(r.num_computed_tokens for r in sched.running)
-        assert filled <= bm.num_allocated_slots() <= filled + (bs - 1) * len(sched.running)
+        empty = sum(len(bm.block_tables[r.request_id]) * bs - r.num_computed_tokens for r in sched.running)
+        assert 0 <= empty <= (bs - 1) * len(sched.running)
         stats = eng.stats
         assert stats.num_preemptions == sched.num_preemptions == self.num_preempted_seen
         assert stats.num_steps == self.num_steps
@@ -508,10 +567,21 @@ class StaticMachine(EngineMachine):
     POLICY = "static"
 
 
+class ContinuousNoCacheMachine(EngineMachine):
+    POLICY = "continuous"
+    CACHING = False
+
+
+def eng_hits(eng) -> tuple[int, int]:
+    return eng.stats.prefix_cache_queries, eng.stats.prefix_cache_hits
+
+
 TestContinuousPolicy = ContinuousMachine.TestCase
 TestContinuousPolicy.settings = MACHINE_SETTINGS
 TestStaticPolicy = StaticMachine.TestCase
 TestStaticPolicy.settings = MACHINE_SETTINGS
+TestContinuousPolicyWithoutPrefixCaching = ContinuousNoCacheMachine.TestCase
+TestContinuousPolicyWithoutPrefixCaching.settings = MACHINE_SETTINGS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -603,6 +673,7 @@ MAX_MODEL_LEN = 24
 
 engine_configs = st.fixed_dictionaries({
     "policy": st.sampled_from(("continuous", "static")),
+    "caching": st.booleans(),
     "block_size": st.integers(1, 8),
     "extra_blocks": st.integers(0, 6),
     "knobs": st.builds(SchedulerKnobs, max_num_seqs=st.integers(1, 6), max_num_batched_tokens=st.integers(1, 48),
@@ -629,7 +700,7 @@ def run_config(config: dict, requests) -> tuple[dict[str, list[int]], int]:
     bs = config["block_size"]
     eng = make_engine(policy=config["policy"], block_size=bs,
                       num_blocks=cdiv(MAX_MODEL_LEN, bs) + config["extra_blocks"], max_model_len=MAX_MODEL_LEN,
-                      knobs=config["knobs"])
+                      knobs=config["knobs"], enable_prefix_caching=config["caching"])
     finals: dict[str, list[int]] = {}
     streamed: dict[str, list[int]] = {}
     pending = sorted(enumerate(requests), key=lambda x: x[1][3])

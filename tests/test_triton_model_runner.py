@@ -52,6 +52,21 @@ def test_triton_backend_matches_torch_with_chunked_prefill_and_preemption(tiny_l
     assert_same_generations(got, generate(make_engine(path, **options), items))
 
 
+def test_triton_backend_reads_cached_prefixes_like_torch(tiny_llama):
+    """Prefix caching on the Triton kernels: requests admitted at a computed count > 0 over blocks another
+    request computed (in an earlier step, or in the same step: the KV write runs before attention),
+    through the prefill kernel and, when all but the last token is cached, the decode kernel."""
+    from tests.test_prefix_cache_vs_hf import shared_prefix_items
+
+    path = tiny_llama[0]
+    items = shared_prefix_items(6, seed=13, prefix_lens=(5, 8, 12), max_suffix=10, max_out=8)
+    options = dict(block_size=4, prefill_chunk_size=12, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48)
+    engine = make_engine(path, attention_backend="triton", **options)
+    got = generate(engine, items)
+    assert engine.stats.prefix_cache_hits > 0
+    assert_same_generations(got, generate(make_engine(path, enable_prefix_caching=False, **options), items))
+
+
 def test_static_decode_buffers_match_torch(tiny_llama):
     """The path CUDA graphs capture (padded static buffers), run eagerly on CPU."""
     path = tiny_llama[0]

@@ -1,9 +1,12 @@
-"""GET/PATCH /admin/scheduler: the tuner's hand on the live knobs.
+"""GET/PATCH /admin/scheduler: the tuner's hand on the live knobs; POST /admin/reset_prefix_cache.
 
 A PATCH is validated as a whole (the engine's LiveKnobs refuses the entire change if any field is
 bad), applied between two steps, and logged with the old and the new values. Ranges: every knob is an
 integer >= 1; max_num_batched_tokens must also cover one block of prefill work, and the values above
 which a knob can have no effect are reported as `max` (a larger value is accepted and harmless).
+
+A prefix cache reset (vLLM's /reset_prefix_cache) makes the engine forget every cached prefix between
+two steps: after a weight change, or to measure cold prefills. Requests running keep their blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from iterserve.common import wire
 from iterserve.server.api.errors import APIError
 from iterserve.server.api.protocol import KnobsPatch
 from iterserve.server.api.serving import ServerState
+from iterserve.server.engine.core_client import EngineStoppedError
 from iterserve.server.errors import InvalidRequestError
 
 logger = logging.getLogger("iterserve.admin")
@@ -52,3 +56,13 @@ async def apply(state: ServerState, patch: KnobsPatch) -> dict:
         logger.info("scheduler knobs changed: %s",
                     ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()))
     return {**describe(state), "changed": {k: {"old": a, "new": b} for k, (a, b) in diff.items()}}
+
+
+async def reset_prefix_cache(state: ServerState) -> dict:
+    enabled = state.engine.config.enable_prefix_caching
+    try:
+        num_blocks = await state.engine.reset_prefix_cache()
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), code="engine_stopped") from None
+    logger.info("prefix cache reset: %d cached blocks forgotten", num_blocks)
+    return {"prefix_caching": enabled, "num_blocks_forgotten": num_blocks}

@@ -118,6 +118,10 @@ def create_app(state: ServerState) -> FastAPI:
         patch = parse_body(KnobsPatch, await request.body(), request.headers.get("content-type"))
         return await admin.apply(state, patch)
 
+    @app.post("/admin/reset_prefix_cache", dependencies=[Depends(admin_token)])
+    async def reset_prefix_cache():
+        return await admin.reset_prefix_cache(state)  # no body is read
+
     return app
 
 

@@ -65,6 +65,11 @@ class Metrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # in tokens, at each request's first admission (as vLLM counts them: a preempted request's
+        # re-admission is not a query)
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -105,6 +110,9 @@ class Metrics:
             k: own_gauge(f"iterserve:{k}", f"Live scheduler knob {k} (changed by PATCH /admin/scheduler).")
             for k in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
         }
+        self.kv_cached_free = own_gauge("iterserve:kv_cache_cached_free_perc",
+                                        "Share of KV blocks no request uses that hold a cached prefix (evicted "
+                                        "only when the pool needs them; not counted in vllm:kv_cache_usage_perc).")
         self.kv_waste = own_gauge("iterserve:kv_cache_waste_ratio",
                                   "Share of allocated KV slots holding no token, averaged over all steps.")
         self.draining = own_gauge("iterserve:draining", "1 while the server drains after SIGTERM, else 0.")
@@ -163,6 +171,7 @@ class Metrics:
         self.running.set(snap["num_running"])
         self.waiting.set(snap["num_waiting"])
         self.kv_usage.set(snap["kv_cache_usage"])
+        self.kv_cached_free.set(snap["kv_cache_cached_free"])
         self.kv_waste.set(snap["kv_waste"])
         for k, v in snap["knobs"].as_dict().items():
             self.knob_gauges[k].set(v)
@@ -182,6 +191,8 @@ class Metrics:
         self.prompt_tokens.inc(info.num_prompt_tokens)
         self.generation_tokens.inc(info.num_generation_tokens)
         self.preemptions.inc(info.num_preemptions)
+        self.prefix_queries.inc(info.prefix_cache_queries)
+        self.prefix_hits.inc(info.prefix_cache_hits)
         if info.num_prompt_tokens + info.num_generation_tokens:
             self.iteration_tokens.observe(info.num_prompt_tokens + info.num_generation_tokens)
         sampled = 0

@@ -3,7 +3,9 @@
 Streams are `data: {json}\\n\\n` events ending in `data: [DONE]\\n\\n`. A chat stream opens each choice
 with a `{"role": "assistant", "content": ""}` delta; text deltas follow as the engine produces them;
 the choice's last chunk carries its finish_reason. With stream_options.include_usage every chunk has
-`"usage": null` and one last chunk with no choices carries the totals.
+`"usage": null` and one last chunk with no choices carries the totals. Usage counts each prompt once,
+whatever n, and `prompt_tokens_details.cached_tokens` the prompt tokens found in the prefix cache (per
+prompt, the fewest any of its choices found).
 """
 
 from __future__ import annotations
@@ -17,10 +19,20 @@ from iterserve.server.engine.core_client import EngineStepError, EngineStoppedEr
 from iterserve.server.engine.outputs import RequestOutput
 
 
-def usage(job: Job, completion_tokens: int) -> dict:
+def usage(job: Job, completion_tokens: int, cached: dict[int, int]) -> dict:
+    """`cached`: prompt tokens each choice (by index) found in the prefix cache, as far as known."""
     prompt_tokens = sum(job.prompt_lengths)
+    per_prompt: dict[int, int] = {}
+    for c in job.choices:
+        n = cached.get(c.index, 0)
+        per_prompt[c.prompt_index] = min(per_prompt.get(c.prompt_index, n), n)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
+
+
+def _cached(final: dict[int, RequestOutput]) -> dict[int, int]:
+    return {index: out.num_cached_tokens for index, out in final.items()}
 
 
 def _token_texts(state: ServerState, ids: list[int]) -> list[str]:
@@ -72,7 +84,7 @@ def completion_body(state: ServerState, job: Job, final: dict[int, RequestOutput
             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
         })
     return {"id": job.id, "object": "text_completion", "created": job.created, "model": state.model_name,
-            "choices": choices, "usage": usage(job, sum(len(o.token_ids) for o in final.values()))}
+            "choices": choices, "usage": usage(job, sum(len(o.token_ids) for o in final.values()), _cached(final))}
 
 
 def chat_body(state: ServerState, job: Job, final: dict[int, RequestOutput]) -> dict:
@@ -85,7 +97,7 @@ def chat_body(state: ServerState, job: Job, final: dict[int, RequestOutput]) -> 
             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
         })
     return {"id": job.id, "object": "chat.completion", "created": job.created, "model": state.model_name,
-            "choices": choices, "usage": usage(job, sum(len(o.token_ids) for o in final.values()))}
+            "choices": choices, "usage": usage(job, sum(len(o.token_ids) for o in final.values()), _cached(final))}
 
 
 _STREAM_ERRORS = {EngineStepError: (500, "internal_error"), EngineStoppedError: (503, "service_unavailable"),
@@ -103,6 +115,7 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
     with_usage = job.include_usage
     num_tokens = 0
     text_offsets: dict[int, int] = {}
+    cached: dict[int, int] = {}
 
     def chunk(choice: dict, extra_usage: dict | None = None) -> str:
         body = {**base, "choices": [choice]}
@@ -117,13 +130,14 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
     try:
         async for index, out in job_outputs(state, job, queues):
             num_tokens += len(out.new_token_ids)
+            cached[index] = out.num_cached_tokens
             if not out.new_token_ids and not out.finished:
                 continue  # nothing new (vLLM's "don't return empty chunks")
             # ... but a token whose text is held back (part of a character split over byte-level tokens,
             # or a possible stop string) still gets its chunk, with empty text, as in vLLM: the client
             # sees one chunk per token at the engine's pace, not a stall of two steps (a client-side ITL
             # twice the step time) whenever a character spans two tokens
-            running_usage = usage(job, num_tokens) if job.continuous_usage else None
+            running_usage = usage(job, num_tokens, cached) if job.continuous_usage else None
             finish = out.finish_reason if out.finished else None
             if chat:
                 delta = {"content": out.new_text} if out.new_text or not out.finished else {}
@@ -145,5 +159,5 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
         code, kind = _STREAM_ERRORS[type(e)]
         yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
     if with_usage:
-        yield _sse({**base, "choices": [], "usage": usage(job, num_tokens)})
+        yield _sse({**base, "choices": [], "usage": usage(job, num_tokens, cached)})
     yield "data: [DONE]\n\n"

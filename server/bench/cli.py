@@ -32,6 +32,11 @@ def register(sub) -> None:
     w.add_argument("--output-len", help="output tokens (max_tokens), same forms as --input-len")
     w.add_argument("--jsonl", help='prompts file for --workload jsonl: {"prompt": ..., "max_tokens": N} per line')
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--prefix-len", type=int, default=1024,
+                   help="system-prompt, multi-turn, shared-mix: tokens of each shared prefix (default 1024)")
+    w.add_argument("--num-prefixes", type=int, default=4,
+                   help="distinct system prompts, or conversations under way at once (default 4)")
+    w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation (default 4)")
     w.add_argument("--prompt-token-range", default="32:127", help="LO:HI token ids of synthetic prompts")
     w.add_argument("--tokenizer", help="tokenizer.json (or a model directory) for exact-length text prompts, "
                                        "used with --endpoint chat or a server that takes no token ids")
@@ -88,7 +93,8 @@ def config_from_args(args: argparse.Namespace):
         shape=args.workload, seed=args.seed, jsonl_path=args.jsonl, token_range=(lo, hi),
         input_len=parse_length(args.input_len, "--input-len") if args.input_len else None,
         output_len=parse_length(args.output_len, "--output-len") if args.output_len else None,
-        max_model_len=args.max_model_len, ignore_eos=not args.no_ignore_eos, tokenizer_path=args.tokenizer)
+        max_model_len=args.max_model_len, ignore_eos=not args.no_ignore_eos, tokenizer_path=args.tokenizer,
+        prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, num_turns=args.num_turns)
     concurrency, rate, sweep = args.concurrency, _rate(args.rate), ()
     if args.sweep:
         name, sep, values = args.sweep.partition("=")

@@ -1,12 +1,13 @@
 """Workload shapes: which prompts to send and how many tokens to ask for, all drawn from one seed.
 
 A shape is a pair of length distributions (prompt tokens, output tokens), or a mixture of such pairs
-(`mixed`), or the lines of a JSONL file. Synthetic prompts are lists of token ids drawn from a range
-that is printable ASCII in the common byte-level vocabularies (SmolLM2, GPT-2, Llama 3, Qwen), so the
-prompt length is exact without a tokenizer; `words_prompt` builds a text prompt of about the same
-number of tokens for servers (or the chat endpoint) that take text only, exactly that number when a
-tokenizer is given (`--tokenizer`: a tokenizer.json or a model directory holding one). Output lengths are enforced
-by sending `max_tokens` with `ignore_eos`.
+(`mixed`), or the lines of a JSONL file, or prompts sharing prefixes (`system-prompt`, `multi-turn`,
+`shared-mix`: shared_prefix.py, with --prefix-len, --num-prefixes and --num-turns). Synthetic prompts
+are lists of token ids drawn from a range that is printable ASCII in the common byte-level vocabularies
+(SmolLM2, GPT-2, Llama 3, Qwen), so the prompt length is exact without a tokenizer; `words_prompt` builds
+a text prompt of about the same number of tokens for servers (or the chat endpoint) that take text only,
+exactly that number when a tokenizer is given (`--tokenizer`: a tokenizer.json or a model directory
+holding one). Output lengths are enforced by sending `max_tokens` with `ignore_eos`.
 
 Length specs on the command line: `128` or `fixed:128`, `uniform:32:256` (both ends included),
 `lognormal:128:0.6` (median 128 tokens, sigma 0.6 of the underlying normal).
@@ -21,6 +22,8 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from iterserve.server.bench.shared_prefix import SHARED_SHAPES, generate_shared
 
 DEFAULT_TOKEN_RANGE = (32, 127)  # [lo, hi): ASCII punctuation and letters in byte-level vocabularies
 WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be or has had "
@@ -129,6 +132,12 @@ PRESETS: dict[str, list[tuple[str, float, LengthDist, LengthDist]]] = {
     "mixed": [("chat", 0.5, LengthDist("lognormal", 200, 0.8), LengthDist("lognormal", 120, 0.7)),
               ("summarize", 0.3, LengthDist("lognormal", 900, 0.4), LengthDist("lognormal", 60, 0.6)),
               ("generate", 0.2, LengthDist("lognormal", 80, 0.6), LengthDist("lognormal", 400, 0.5))],
+    # shared prefixes (shared_prefix.py): the input length is the question's, after the shared part
+    "system-prompt": [("system-prompt", 1.0, LengthDist("uniform", 16, 64), LengthDist("fixed", 32))],
+    "multi-turn": [("multi-turn", 1.0, LengthDist("uniform", 16, 64), LengthDist("fixed", 64))],
+    "shared-mix": [("system-prompt", 0.4, LengthDist("uniform", 16, 64), LengthDist("fixed", 32)),
+                   ("multi-turn", 0.4, LengthDist("uniform", 16, 64), LengthDist("fixed", 64)),
+                   ("random", 0.2, LengthDist("uniform", 64, 512), LengthDist("uniform", 16, 256))],
     "jsonl": [],
 }
 SHAPES = tuple(PRESETS)
@@ -148,6 +157,11 @@ class WorkloadSpec:
     max_model_len: int | None = None  # clip input + output to this (learnt from the server when not given)
     ignore_eos: bool = True
     tokenizer_path: str | None = None  # makes text prompts exact in length
+    # shared-prefix shapes: tokens of each shared prefix (system prompt, conversation context), how many
+    # distinct prefixes (system prompts, conversations under way at once), turns per conversation
+    prefix_len: int = 1024
+    num_prefixes: int = 4
+    num_turns: int = 4
     jsonl_rows: list[dict] = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
@@ -155,6 +169,10 @@ class WorkloadSpec:
             raise WorkloadError(f"--workload: unknown shape {self.shape!r}; choose from {', '.join(SHAPES)}")
         if self.shape == "jsonl" and not self.jsonl_path:
             raise WorkloadError("--workload jsonl needs --jsonl FILE")
+        for name in ("prefix_len", "num_prefixes", "num_turns"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise WorkloadError(f"--{name.replace('_', '-')}: must be an integer >= 1, got {value!r}")
         lo, hi = self.token_range
         if not 0 <= lo < hi:
             raise WorkloadError(f"--prompt-token-range: need 0 <= LO < HI, got {lo}:{hi}")
@@ -169,7 +187,9 @@ class WorkloadSpec:
         return {"shape": self.shape, "seed": self.seed, "classes": classes, "jsonl": self.jsonl_path,
                 "token_range": list(self.token_range), "max_model_len": self.max_model_len,
                 "ignore_eos": self.ignore_eos, "tokenizer": self.tokenizer_path,
-                "output_len": self.output_len.describe() if self.output_len else None}
+                "output_len": self.output_len.describe() if self.output_len else None,
+                **({"prefix_len": self.prefix_len, "num_prefixes": self.num_prefixes, "num_turns": self.num_turns}
+                   if self.shape in SHARED_SHAPES else {})}
 
 
 def load_jsonl(path: str) -> list[dict]:
@@ -241,6 +261,9 @@ def generate_requests(spec: WorkloadSpec, num_requests: int | None) -> Iterator[
     weights = [share for _, share, _, _ in classes]
     lo, hi = spec.token_range
     tokenizer = load_tokenizer(spec.tokenizer_path) if spec.tokenizer_path else None
+    if spec.shape in SHARED_SHAPES:
+        yield from generate_shared(spec, classes, counter, rng, tokenizer)
+        return
     for i in counter:
         kind, _, input_dist, output_dist = classes[0] if len(classes) == 1 else rng.choices(classes, weights)[0]
         input_len, output_len = _clip((spec.input_len or input_dist).sample(rng),

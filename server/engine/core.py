@@ -6,7 +6,8 @@ It deals in token ids only: text, detokenization and stop strings belong to the 
 the caller's side (in the same process for `LLMEngine`, in the server's process otherwise). A request
 that finishes in a step gives its blocks back in that same step, so the next step can admit a waiting
 request into them. Requests, aborts and knob changes may come from other threads; they take effect at
-the next step.
+the next step. With prefix caching on, the blocks a step fills are findable from the moment it is
+scheduled; a step that fails leaves them without their K/V, so the whole prefix cache is forgotten.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ class EngineStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_generated_tokens: int = 0
-    num_prompt_tokens_computed: int = 0  # includes recomputation after preemption
+    num_prompt_tokens_computed: int = 0  # includes recomputation after preemption; cached tokens are not computed
+    # prefix cache lookups at first admissions, in tokens: prompt tokens looked up, and found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # KV slots allocated and slots holding a token, summed over steps (after each forward pass)
     allocated_slot_steps: int = 0
     filled_slot_steps: int = 0
@@ -54,7 +58,8 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, model_runner: Runner, *, max_model_len: int, num_blocks: int, block_size: int,
-                 knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=()):
+                 knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(),
+                 enable_prefix_caching: bool = True):
         if num_blocks * block_size < max_model_len:
             raise InvalidRequestError(
                 "kv_cache_memory",
@@ -64,7 +69,7 @@ class EngineCore:
         self.model_runner = model_runner
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         self.knobs = LiveKnobs(knobs)
         self.scheduler = Scheduler(self.block_manager, self.knobs, policy)
         self.stats = EngineStats()
@@ -86,6 +91,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (between steps: the engine thread, or the core loop for another
+        thread); returns how many blocks were findable."""
+        return self.block_manager.reset_prefix_cache()
+
     def unfinished_request_ids(self) -> list[str]:
         return self.scheduler.unfinished_request_ids()
 
@@ -93,7 +103,11 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        try:
+            runner_output = self.model_runner.execute_model(scheduler_output)
+        except BaseException:
+            self.block_manager.reset_prefix_cache()  # blocks registered for this step hold no K/V
+            raise
         return self._update(scheduler_output, runner_output)
 
     def _update(self, out: SchedulerOutput, sampled) -> list[CoreOutput]:
@@ -116,7 +130,8 @@ class EngineCore:
             outputs.append(CoreOutput(
                 req.request_id, [token], req.finish_reason, req.stop_reason,
                 None if logprob is None else [logprob], None if top is None else [top],
-                req.num_preemptions, req.scheduled_time, req.first_token_time, req.finished_time))
+                req.num_preemptions, req.scheduled_time, req.first_token_time, req.finished_time,
+                req.num_cached_tokens or 0))
         self._record_stats(out, num_sampled)
         return outputs
 
@@ -138,10 +153,17 @@ class EngineCore:
         s.num_preemptions = self.scheduler.num_preemptions
         s.num_generated_tokens += num_sampled
         s.num_prompt_tokens_computed += out.total_num_scheduled_tokens - num_sampled
-        s.allocated_slot_steps += self.block_manager.num_allocated_slots()
-        s.filled_slot_steps += sum(r.num_computed_tokens for r in self.scheduler.running)
+        s.prefix_cache_queries = self.scheduler.prefix_cache_queries
+        s.prefix_cache_hits = self.scheduler.prefix_cache_hits
+        # slots in use that hold no token: the tails of the requests' last blocks (a shared block is full)
+        bm = self.block_manager
+        allocated = bm.num_allocated_slots()
+        empty = sum(len(bm.block_tables.get(r.request_id, ())) * bm.block_size - r.num_computed_tokens
+                    for r in self.scheduler.running)
+        s.allocated_slot_steps += allocated
+        s.filled_slot_steps += allocated - empty
 
 
 def _finished_output(req: Request) -> CoreOutput:
     return CoreOutput(req.request_id, [], req.finish_reason, req.stop_reason, None, None, req.num_preemptions,
-                      req.scheduled_time, req.first_token_time, req.finished_time)
+                      req.scheduled_time, req.first_token_time, req.finished_time, req.num_cached_tokens or 0)

@@ -31,8 +31,9 @@ from iterserve.server.config import EngineConfig
 from iterserve.server.engine.channels import QueueChannel, ZmqChannel
 from iterserve.server.engine.input_processor import InputProcessor
 from iterserve.server.engine.knobs import SchedulerKnobs, validate_change
-from iterserve.server.engine.messages import (Abort, AddRequest, FromCore, KnobsReply, Ready, Shutdown,
-                                              StartupFailed, StepFailed, StepReport, UpdateKnobs)
+from iterserve.server.engine.messages import (Abort, AddRequest, FromCore, KnobsReply, PrefixCacheReset, Ready,
+                                              ResetPrefixCache, Shutdown, StartupFailed, StepFailed, StepReport,
+                                              UpdateKnobs)
 from iterserve.server.engine.output_processor import OutputProcessor
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
@@ -59,6 +60,8 @@ class StepInfo:
     num_preemptions: int  # preemptions during this step
     duration: float  # seconds the step took
     end_time: float  # time.monotonic() at the end of the step
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at first admissions
+    prefix_cache_hits: int  # of those, the tokens found cached
 
 
 class EngineClient:
@@ -74,7 +77,8 @@ class EngineClient:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # _streams and the output processor
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe
-        self._knob_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        # call id -> (event loop, future) of a coroutine awaiting the core's reply (knobs, cache reset)
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._alive = False
         self._stopping = False
@@ -226,14 +230,26 @@ class EngineClient:
     async def update_knobs(self, **changes: int) -> SchedulerKnobs:
         """Validate a knob change as a whole, and apply it in the core (from its next step on)."""
         validate_change(self.knobs, changes)  # refused here, at once, without a round trip
-        loop = asyncio.get_running_loop()
-        call_id, future = next(self._call_ids), loop.create_future()
-        self._knob_calls[call_id] = (loop, future)
-        self._send(UpdateKnobs(call_id, dict(changes)))
-        reply: KnobsReply = await future
+        reply: KnobsReply = await self._call(lambda call_id: UpdateKnobs(call_id, dict(changes)))
         if reply.knobs is None:
             raise InvalidRequestError(reply.error_param or "knobs", reply.error_message or "refused")
         return SchedulerKnobs(**reply.knobs)
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix in the core (between two of its steps); returns how many blocks
+        were findable."""
+        reply: PrefixCacheReset = await self._call(ResetPrefixCache)
+        return reply.num_blocks
+
+    async def _call(self, make_message):
+        """Send the message `make_message(call_id)` and await the core's reply to that call id."""
+        if not self.is_running:
+            raise EngineStoppedError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        call_id, future = next(self._call_ids), loop.create_future()
+        self._calls[call_id] = (loop, future)
+        self._send(make_message(call_id))
+        return await future
 
     # -- state (any thread) ----------------------------------------------------------------------
 
@@ -252,7 +268,8 @@ class EngineClient:
         is accepted, not from the core's next step."""
         s = self._snapshot
         return {"num_running": s.num_running, "num_waiting": max(0, self.num_in_flight - s.num_running),
-                "kv_cache_usage": s.kv_cache_usage, "kv_waste": s.kv_waste, "num_preemptions": s.num_preemptions,
+                "kv_cache_usage": s.kv_cache_usage,
+                "kv_cache_cached_free": s.kv_cache_cached_free, "kv_waste": s.kv_waste, "num_preemptions": s.num_preemptions,
                 "knobs": self.knobs, "num_knob_changes": s.num_knob_changes, "num_steps": s.num_steps,
                 "num_generated_tokens": s.num_generated_tokens, "num_step_failures": self.num_step_failures}
 
@@ -271,7 +288,7 @@ class EngineClient:
                 logger.error("the engine core stopped (exit status %s); failing every request in flight", code)
                 self._alive = False
                 self._fail_all(EngineStoppedError(f"the engine core stopped (exit status {code})"))
-                for loop, future in self._knob_calls.values():
+                for loop, future in self._calls.values():
                     _call_soon(loop, _set_exception, future, EngineStoppedError("the engine core stopped"))
                 return
 
@@ -290,8 +307,8 @@ class EngineClient:
             self._deliver(outputs)
             if message.stats is not None:
                 self._observe(StepInfo(outputs, *msgspec.structs.astuple(message.stats)))
-        elif isinstance(message, KnobsReply):
-            loop, future = self._knob_calls.pop(message.call_id)
+        elif isinstance(message, (KnobsReply, PrefixCacheReset)):
+            loop, future = self._calls.pop(message.call_id)
             _call_soon(loop, _set_result, future, message)
         elif isinstance(message, StepFailed):
             self.num_step_failures += 1

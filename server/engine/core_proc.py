@@ -20,9 +20,9 @@ import time
 import msgspec
 
 from iterserve.server.engine.core import EngineCore
-from iterserve.server.engine.messages import (Abort, AddRequest, KnobsReply, Ready, Shutdown, Snapshot,
-                                              StartupFailed, StepFailed, StepReport, StepStats, ToCore,
-                                              UpdateKnobs)
+from iterserve.server.engine.messages import (Abort, AddRequest, KnobsReply, PrefixCacheReset, Ready,
+                                              ResetPrefixCache, Shutdown, Snapshot, StartupFailed, StepFailed,
+                                              StepReport, StepStats, ToCore, UpdateKnobs)
 from iterserve.server.engine.request import Request
 from iterserve.server.errors import InvalidRequestError
 
@@ -69,10 +69,15 @@ class EngineCoreLoop:
                 return
             self.channel.send(KnobsReply(message.call_id, knobs.as_dict()))
             self.channel.send(StepReport([], None, self.snapshot()))
+        elif isinstance(message, ResetPrefixCache):
+            num_blocks = core.reset_prefix_cache()  # between steps: this loop is the engine thread
+            self.channel.send(PrefixCacheReset(message.call_id, num_blocks))
+            self.channel.send(StepReport([], None, self.snapshot()))
 
     def _step(self) -> None:
         core, stats = self.core, self.core.stats
-        before = (stats.num_prompt_tokens_computed, stats.num_generated_tokens, stats.num_preemptions)
+        before = (stats.num_prompt_tokens_computed, stats.num_generated_tokens, stats.num_preemptions,
+                  stats.prefix_cache_queries, stats.prefix_cache_hits)
         start = time.monotonic()
         try:
             outputs = core.step()
@@ -81,7 +86,8 @@ class EngineCoreLoop:
             return
         end = time.monotonic()
         step = StepStats(stats.num_prompt_tokens_computed - before[0], stats.num_generated_tokens - before[1],
-                         stats.num_preemptions - before[2], end - start, end)
+                         stats.num_preemptions - before[2], end - start, end,
+                         stats.prefix_cache_queries - before[3], stats.prefix_cache_hits - before[4])
         self.channel.send(StepReport(outputs, step, self.snapshot()))
 
     def _on_step_failure(self, exc: Exception) -> None:
@@ -95,9 +101,10 @@ class EngineCoreLoop:
 
     def snapshot(self) -> Snapshot:
         core = self.core
-        sched, stats = core.scheduler, core.stats
+        sched, stats, bm = core.scheduler, core.stats, core.block_manager
         return Snapshot(num_running=len(sched.running), num_waiting=sched.num_waiting_requests(),
-                        kv_cache_usage=core.block_manager.usage, kv_waste=stats.kv_waste,
+                        kv_cache_usage=bm.usage, kv_cache_cached_free=bm.num_cached_free_blocks / bm.num_blocks,
+                        kv_waste=stats.kv_waste,
                         num_preemptions=stats.num_preemptions, knobs=core.knobs.value.as_dict(),
                         num_knob_changes=core.knobs.num_changes, num_steps=stats.num_steps,
                         num_generated_tokens=stats.num_generated_tokens)

@@ -112,12 +112,14 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
             "kv_cache_memory", f"{budget} bytes is less than one KV block ({bytes_per_block} bytes)"
         )
     core = EngineCore(runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=config.block_size,
-                      knobs=config.initial_knobs(), policy=config.policy, eos_token_ids=_eos_ids(mc, tokenizer))
+                      knobs=config.initial_knobs(), policy=config.policy, eos_token_ids=_eos_ids(mc, tokenizer),
+                      enable_prefix_caching=config.enable_prefix_caching)
     runner.allocate_kv_cache(num_blocks)
     report = (
         f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} tokens, "
         f"{num_blocks * bytes_per_block / 2**20:.0f} MiB ({dtype}, {device}); max_model_len {max_model_len}; "
-        f"attention {backend}{', CUDA graphs' if runner.use_cuda_graphs else ''}"
+        f"attention {backend}{', CUDA graphs' if runner.use_cuda_graphs else ''}; "
+        f"prefix caching {'on' if config.enable_prefix_caching else 'off'}"
     )
     logger.info(report)
     # Everything built so far (the model's modules, the tokenizer, the loaded libraries) lives as long as

@@ -23,9 +23,11 @@ from iterserve.server.errors import InvalidRequestError
 
 class LLMEngine:
     def __init__(self, model_runner, *, tokenizer, max_model_len: int, num_blocks: int, block_size: int,
-                 knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(), vocab_size: int):
+                 knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(), vocab_size: int,
+                 enable_prefix_caching: bool = True):
         core = EngineCore(model_runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
-                          knobs=knobs, policy=policy, eos_token_ids=eos_token_ids)
+                          knobs=knobs, policy=policy, eos_token_ids=eos_token_ids,
+                          enable_prefix_caching=enable_prefix_caching)
         self._wrap(core, tokenizer, vocab_size)
 
     @classmethod
@@ -88,6 +90,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; call it between steps (the thread that steps). Returns how many
+        blocks were findable."""
+        return self.core.reset_prefix_cache()
 
     # -- the loop (engine thread) ----------------------------------------------------------------
 

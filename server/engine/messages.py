@@ -1,9 +1,10 @@
 """The messages between the server (frontend) and the engine core, typed, as msgpack over ZeroMQ.
 
-frontend -> core: AddRequest, Abort, UpdateKnobs, Shutdown.
+frontend -> core: AddRequest, Abort, UpdateKnobs, ResetPrefixCache, Shutdown.
 core -> frontend: Ready (or StartupFailed) once, then a StepReport per step (and after every knob
-change, so an idle engine's state is current), KnobsReply per UpdateKnobs, StepFailed when a step
-raised. Every request-level field is keyed by request id; nothing depends on positions.
+change or prefix cache reset, so an idle engine's state is current), KnobsReply per UpdateKnobs,
+PrefixCacheReset per ResetPrefixCache, StepFailed when a step raised. Every request-level field is
+keyed by request id; nothing depends on positions.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class UpdateKnobs(msgspec.Struct, tag=True, array_like=True):
     changes: dict[str, int]
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -40,7 +45,8 @@ class Snapshot(msgspec.Struct, array_like=True):
 
     num_running: int
     num_waiting: int
-    kv_cache_usage: float
+    kv_cache_usage: float  # share of the blocks in use by requests
+    kv_cache_cached_free: float  # share of the blocks free but holding a cached prefix
     kv_waste: float
     num_preemptions: int
     knobs: dict[str, int]
@@ -76,6 +82,8 @@ class StepStats(msgspec.Struct, array_like=True):
     num_preemptions: int  # preemptions during this step
     duration: float  # seconds the step took
     end_time: float  # time.monotonic() at the end of the step
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at first admissions this step
+    prefix_cache_hits: int  # of those, the tokens found cached
 
 
 class StepReport(msgspec.Struct, tag=True, array_like=True):
@@ -91,6 +99,11 @@ class KnobsReply(msgspec.Struct, tag=True, array_like=True):
     error_message: str | None = None
 
 
+class PrefixCacheReset(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    num_blocks: int  # blocks that were findable in the cache
+
+
 class StepFailed(msgspec.Struct, tag=True, array_like=True):
     """A step raised; the core aborted every request it held (their ids) and carries on."""
 
@@ -99,5 +112,5 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
     snapshot: Snapshot
 
 
-ToCore = AddRequest | Abort | UpdateKnobs | Shutdown
-FromCore = Ready | StartupFailed | StepReport | KnobsReply | StepFailed
+ToCore = AddRequest | Abort | UpdateKnobs | ResetPrefixCache | Shutdown
+FromCore = Ready | StartupFailed | StepReport | KnobsReply | PrefixCacheReset | StepFailed

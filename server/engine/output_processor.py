@@ -117,6 +117,7 @@ class OutputProcessor:
             top_logprobs=state.top_logprobs if finished else None,
             new_top_logprobs=state.top_logprobs[sent:] if state.top_logprobs is not None else None,
             num_preemptions=out.num_preemptions,
+            num_cached_tokens=out.num_cached_tokens,
             arrival_time=state.arrival_time,
             scheduled_time=out.scheduled_time,
             first_token_time=out.first_token_time,

@@ -27,6 +27,7 @@ class CoreOutput:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
 
     @property
     def finished(self) -> bool:
@@ -52,6 +53,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
     new_top_logprobs: list[list[tuple[int, float]]] | None
     num_preemptions: int
+    num_cached_tokens: int  # prompt tokens found in the prefix cache (usage.prompt_tokens_details)
     arrival_time: float
     scheduled_time: float | None
     first_token_time: float | None

@@ -57,6 +57,8 @@ class Request:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # prompt tokens found in the prefix cache at the first admission (None until then)
+    num_cached_tokens: int | None = None
     # per-token logprob of each sampled token (only when sampling_params.logprobs is set)
     output_logprobs: list[float] = field(default_factory=list)
     # per sampled token, its top (token id, logprob) alternatives (only when top_logprobs is set)

@@ -13,6 +13,8 @@ preempted request's recompute) share a second budget, `prefill_chunk_size` per s
 as a sum: a per-request cap lets N prompts that arrive together stall decodes N times as long.
 The `static` policy is the baseline without iteration-level batching: a batch of up to `max_num_seqs`
 is chosen only once the previous one has fully drained, and no one else joins it meanwhile.
+With prefix caching on, a request is admitted from its longest cached prefix (block_manager.py): its
+computed count starts there, and only the rest counts against the step's budgets.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # in admission order; the newest is preempted first
         self.num_preemptions = 0
+        # prefix cache lookups at first admissions, in tokens (vLLM's prefix_cache_queries / _hits);
+        # re-admissions after preemption are not counted
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         # Other threads hand requests and aborts over through these; only schedule() drains them.
         self._new_requests: deque[Request] = deque()
         self._abort_ids: deque[str] = deque()
@@ -119,7 +125,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = _num_to_compute(req, budget, prefill_left)
+            n = _num_to_compute(req.num_tokens - req.num_computed_tokens, budget, prefill_left)
             if n == 0:  # a prompt in progress, and this step's prefill tokens are spent: it waits a step
                 i += 1
                 continue
@@ -161,10 +167,11 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _schedule_tokens(self, req: Request, n: int) -> ScheduledRequest:
-        """Give `req` blocks for its next `n` tokens and count them as computed."""
+    def _schedule_tokens(self, req: Request, n: int, cached: list[int] | None = None) -> ScheduledRequest:
+        """Give `req` blocks for its next `n` tokens (from its `cached` prefix blocks when it is being
+        admitted) and count them as computed."""
         start = req.num_computed_tokens
-        table = self.block_manager.allocate(req.request_id, start + n)
+        table = self.block_manager.allocate(req.request_id, start + n, req.token_ids, cached or ())
         req.num_computed_tokens = start + n
         samples = req.num_computed_tokens == req.num_tokens
         return ScheduledRequest(req.request_id, req.token_ids[start:start + n], start, table,
@@ -181,24 +188,32 @@ class Scheduler:
             if self.policy == "static" and req.request_id not in self._static_batch:
                 idx += 1
                 continue
-            n = _num_to_compute(req, budget, prefill_left)
+            cached = bm.find_cached_prefix(req.request_id, req.token_ids)
+            num_cached = len(cached) * bm.block_size
+            n = _num_to_compute(req.num_tokens - num_cached, budget, prefill_left)
             if n == 0:
                 break  # the step's prefill tokens are spent; FCFS: nobody overtakes the head
-            if not bm.can_allocate(req.request_id, n):
+            if not bm.can_allocate(req.request_id, num_cached + n, cached):
                 break  # FCFS: nobody overtakes the head for lack of memory
             del self.waiting[idx]
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
+            if req.num_cached_tokens is None:  # first admission: what the client is told was cached
+                req.num_cached_tokens = num_cached
+                if bm.enable_caching:
+                    self.prefix_cache_queries += req.num_tokens
+                    self.prefix_cache_hits += num_cached
+            req.num_computed_tokens = num_cached
             self.running.append(req)
             budget -= n
             prefill_left -= _prefill_tokens(req, n)
-            scheduled.append(self._schedule_tokens(req, n))
+            scheduled.append(self._schedule_tokens(req, n, cached))
 
     def _preempt(self, req: Request) -> None:
-        self.block_manager.free(req.request_id)
+        self.block_manager.free(req.request_id)  # its full blocks stay cached: readmitted, it finds them
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0  # recompute prompt and output so far when readmitted
+        req.num_computed_tokens = 0  # recompute prompt and output so far (beyond any cached prefix)
         req.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=_sort_key)
@@ -234,10 +249,9 @@ def _sort_key(req: Request) -> tuple[int, int]:
     return req.sort_key
 
 
-def _num_to_compute(req: Request, budget: int, prefill_left: int) -> int:
-    """Tokens `req` computes this step: what it has left, within the step's token budget and, while it
-    is prefilling (more than one token left), within what is left of the step's prefill tokens."""
-    left = req.num_tokens - req.num_computed_tokens
+def _num_to_compute(left: int, budget: int, prefill_left: int) -> int:
+    """Tokens a request with `left` tokens to compute computes this step: within the step's token budget
+    and, while it is prefilling (more than one token left), within what is left of its prefill tokens."""
     return min(left, budget) if left <= 1 else min(left, budget, prefill_left)
 
 

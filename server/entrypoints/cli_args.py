@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs for decode steps (CUDA with the Triton backend only)")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights in the shape of the model directory's config.json")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes computed before (default: on)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -49,4 +51,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         cuda_graphs=not args.enforce_eager,
         load_format=args.load_format,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
