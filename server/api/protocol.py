@@ -1,9 +1,8 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
 Scalars are strict (`"5"` is not an integer, `true` is not a number) and unknown fields are refused:
-a silently ignored parameter is a wrong answer the client cannot see. Fields that OpenAI clients send
-by default but this server does not implement (penalties, echo) are accepted only at their neutral
-value. Text must be valid Unicode (a lone surrogate or an undecodable byte is refused, naming the field).
+a silently ignored parameter is a wrong answer the client cannot see. A field that OpenAI clients send
+by default but this server does not implement (echo) is accepted only at its neutral value. Text must be valid Unicode (a lone surrogate or an undecodable byte is refused, naming the field).
 Counts that would cost the server work out of proportion to a request (prompts, messages, stop token ids)
 are capped here; range checks that depend on the model or the deployment (max_tokens against
 max_model_len, total prompt tokens) live in `serving`.
@@ -54,6 +53,7 @@ MAX_CHOICES = 1024  # prompts x n of one request: more is a batch job, not one r
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256  # text parts of one message
 MAX_LOGPROBS = 20  # OpenAI's limit on logprobs / top_logprobs
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 class _Model(BaseModel):
@@ -81,9 +81,13 @@ class _Common(_Model):
     stream_options: StreamOptions | None = None
     priority: Int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     user: Str | None = None
-    # accepted so default client payloads work; anything but the neutral value is refused
-    frequency_penalty: Float | None = Field(default=None, ge=0, le=0)
-    presence_penalty: Float | None = Field(default=None, ge=0, le=0)
+    frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: Annotated[dict[Str, Float], Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id -> bias
+    # vLLM's extra sampling parameters
+    repetition_penalty: Float | None = Field(default=None, gt=0)
+    min_tokens: Int = Field(default=0, ge=0)
+    min_p: Float | None = Field(default=None, ge=0, le=1)
 
     @field_validator("stop")
     @classmethod

@@ -205,6 +205,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                        f"choice); at most {limit} per request (--max-prompt-tokens-per-request)",
                        param=prompt_param, code="invalid_value")
     job_id = f"{prefix}-{uuid.uuid4().hex}"
+    logit_bias = _logit_bias(req, engine.vocab_size)
     choices = []
     for p_index, ids in enumerate(prompts):
         wanted = max_tokens if max_tokens is not None else (default_max_tokens or max_len - len(ids))
@@ -215,7 +216,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                            f"{len(ids) + wanted} tokens, over the context length (max_model_len) {max_len}",
                            param="max_tokens", code="context_length_exceeded")
         for i in range(req.n):
-            params = _sampling_params(req, wanted, i, top_logprobs)
+            params = _sampling_params(req, wanted, i, top_logprobs, logit_bias)
             choice = Choice(p_index * req.n + i, f"{job_id}-{p_index * req.n + i}", p_index, ids, params)
             if i == 0:  # token ids, stops and priority are the same for every choice of a prompt
                 try:  # validates; queues nothing
@@ -230,7 +231,8 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                continuous_usage=bool(opts and opts.continuous_usage_stats))
 
 
-def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None) -> SamplingParams:
+def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None,
+                     logit_bias: dict[int, float]) -> SamplingParams:
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     seed = req.seed
     if seed is not None and i:
@@ -248,9 +250,26 @@ def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None) -> 
             ignore_eos=req.ignore_eos,
             logprobs=top_logprobs is not None,
             top_logprobs=top_logprobs or 0,
+            frequency_penalty=float(req.frequency_penalty or 0.0),
+            presence_penalty=float(req.presence_penalty or 0.0),
+            repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+            logit_bias=logit_bias,
+            min_tokens=req.min_tokens,
+            min_p=float(req.min_p or 0.0),
         )
     except InvalidRequestError as e:
         raise from_invalid_request(e) from None
+
+
+def _logit_bias(req, vocab_size: int) -> dict[int, float]:
+    """OpenAI's `logit_bias` ({"token id": bias}) with ids checked against the model's vocabulary."""
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab_size - 1})",
+                           param="logit_bias", code="invalid_value")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def start(state: ServerState, job: Job) -> list[asyncio.Queue]:

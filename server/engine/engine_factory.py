@@ -100,9 +100,10 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
         )
     max_model_len = config.max_model_len or context_len
 
+    eos_token_ids = _eos_ids(mc, tokenizer)
     runner = ModelRunner(mc, loaded.weights, device, dtype, max_model_len, config.block_size,
                          attention_backend=backend, cuda_graphs=config.cuda_graphs,
-                         max_graph_batch=min(config.max_num_seqs, _MAX_GRAPH_BATCH))
+                         max_graph_batch=min(config.max_num_seqs, _MAX_GRAPH_BATCH), eos_token_ids=eos_token_ids)
     del loaded  # the runner holds its own copy of the weights now
     bytes_per_block = runner.kv_cache_bytes_per_block()
     budget = kv_cache_budget_bytes(config.kv_cache_memory, device)
@@ -112,7 +113,7 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
             "kv_cache_memory", f"{budget} bytes is less than one KV block ({bytes_per_block} bytes)"
         )
     core = EngineCore(runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=config.block_size,
-                      knobs=config.initial_knobs(), policy=config.policy, eos_token_ids=_eos_ids(mc, tokenizer),
+                      knobs=config.initial_knobs(), policy=config.policy, eos_token_ids=eos_token_ids,
                       enable_prefix_caching=config.enable_prefix_caching)
     runner.allocate_kv_cache(num_blocks)
     report = (

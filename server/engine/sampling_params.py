@@ -23,6 +23,14 @@ class SamplingParams:
     logprobs: bool = False  # return the logprob of each chosen token
     top_logprobs: int = 0  # also return this many most likely tokens per position (0..20); implies logprobs
     skip_special_tokens: bool = True
+    # logits processing before the choice (greedy included), as vLLM's: penalties over the request's
+    # tokens, a per-token bias, no stop before min_tokens; min_p filters the random draw
+    frequency_penalty: float = 0.0  # minus this x the token's count among the outputs so far
+    presence_penalty: float = 0.0  # minus this when the token is among the outputs so far
+    repetition_penalty: float = 1.0  # prompt and output tokens: logit / this when > 0, x this when < 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
+    min_p: float = 0.0  # drop tokens less probable than min_p x the most probable one
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +64,30 @@ class SamplingParams:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias", token, minimum=0)
+            _check_number("logit_bias", bias)
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError("logit_bias", f"biases must be in [-100, 100], got {bias} for {token}")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before the choice (the sampler then needs the request's tokens)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -42,6 +42,10 @@ class ScheduledRequest:
     block_table: list[int]  # the request's block ids (owned by the block manager; read-only here)
     # set when this step reaches the request's last known token, so the runner samples its next one
     sampling_params: SamplingParams | None
+    # the request's tokens so far (prompt, then outputs; the Request's own list, read-only) and how many
+    # are prompt: given only when it samples with logits processing (penalties, bias, min_tokens)
+    token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -174,8 +178,10 @@ class Scheduler:
         table = self.block_manager.allocate(req.request_id, start + n, req.token_ids, cached or ())
         req.num_computed_tokens = start + n
         samples = req.num_computed_tokens == req.num_tokens
-        return ScheduledRequest(req.request_id, req.token_ids[start:start + n], start, table,
-                                req.sampling_params if samples else None)
+        params = req.sampling_params if samples else None
+        history = params is not None and params.processes_logits
+        return ScheduledRequest(req.request_id, req.token_ids[start:start + n], start, table, params,
+                                req.token_ids if history else None, req.num_prompt_tokens if history else 0)
 
     def _admit(self, knobs: SchedulerKnobs, budget: int, prefill_left: int,
                scheduled: list[ScheduledRequest]) -> None:

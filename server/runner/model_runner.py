@@ -17,6 +17,7 @@ from iterserve.server.model.cpu_linear import onednn_packing_supported
 from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.runner.backends import make_backend, num_sms
+from iterserve.server.runner.logits_processors import process_logits
 from iterserve.server.runner.sampler import EMPTY_OUTPUT, ModelRunnerOutput, sample
 from iterserve.server.runner.step_inputs import step_layout, to_step_inputs
 
@@ -26,9 +27,11 @@ logger = logging.getLogger("iterserve.runner")
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor] | None, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, block_size: int, *, attention_backend: str = "torch",
-                 cuda_graphs: bool = False, max_graph_batch: int = 256):
-        """weights: HF-named tensors, or None for random ("dummy") weights made on the device."""
+                 cuda_graphs: bool = False, max_graph_batch: int = 256, eos_token_ids=()):
+        """weights: HF-named tensors, or None for random ("dummy") weights made on the device.
+        eos_token_ids: what `min_tokens` bans until enough tokens were generated."""
         self.model_config = model_config
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -114,5 +117,6 @@ class ModelRunner:
         if not layout.sampling:
             return EMPTY_OUTPUT
         logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
-        return sample(logits, [s.request_id for s in layout.sampling], [s.sampling_params for s in layout.sampling],
-                      self.generators)
+        return sample(process_logits(logits, layout.sampling, self.eos_token_ids),
+                      [s.request_id for s in layout.sampling], [s.sampling_params for s in layout.sampling],
+                      self.generators, raw_logits=logits)

@@ -28,9 +28,10 @@ EMPTY_OUTPUT = ModelRunnerOutput({}, {}, {})
 
 
 def sample(logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-           generators: dict[str, torch.Generator]) -> ModelRunnerOutput:
-    """logits: [len(request_ids), vocab] float32. `generators` holds the seeded requests' generators
-    (created here at their first random draw; the caller drops them when a request leaves)."""
+           generators: dict[str, torch.Generator], raw_logits: torch.Tensor | None = None) -> ModelRunnerOutput:
+    """logits: [len(request_ids), vocab] float32, processed (logits_processors.py); `raw_logits`: the
+    model's own, which logprobs report (default: `logits`). `generators` holds the seeded requests'
+    generators (created here at their first random draw; the caller drops them when a request leaves)."""
     token_ids = logits.max(dim=-1).indices  # argmax's answer (the first maximum) at half its time on CPU
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -45,7 +46,7 @@ def sample(logits: torch.Tensor, request_ids: list[str], params: list[SamplingPa
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if wanted:
         rows = torch.tensor(wanted)
-        all_lp = torch.log_softmax(logits[rows], dim=-1)
+        all_lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[rows], dim=-1)
         lp = all_lp.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)
         for i, value in zip(wanted, lp.tolist()):
             logprobs[request_ids[i]] = value
@@ -61,6 +62,10 @@ def sample(logits: torch.Tensor, request_ids: list[str], params: list[SamplingPa
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     row = row / p.temperature
+    if p.min_p > 0:
+        # after the temperature, before top-k/top-p, as vLLM: relative to the most probable token
+        probs = row.softmax(-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

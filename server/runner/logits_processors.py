@@ -1,0 +1,49 @@
+"""What changes a request's logits before its token is chosen, in vLLM's order: repetition, frequency and
+presence penalties over its tokens so far, then `logit_bias`, then the ban on EOS and stop tokens until
+`min_tokens` were generated. Only the rows of requests that ask for any of it are touched, on a copy:
+the raw logits stay what logprobs report (as vLLM's default), and a batch without processing pays nothing.
+`min_p` belongs to the random draw and lives in the sampler."""
+
+from __future__ import annotations
+
+import torch
+
+from iterserve.server.engine.scheduler import ScheduledRequest
+
+
+def process_logits(logits: torch.Tensor, sampling: list[ScheduledRequest], eos_token_ids: frozenset[int]
+                   ) -> torch.Tensor:
+    """logits: [len(sampling), vocab] float32 -> the logits to choose from (the same tensor when no row
+    needs processing)."""
+    rows = [i for i, s in enumerate(sampling) if s.token_ids is not None]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        s = sampling[i]
+        out[i] = process_row(out[i], s.sampling_params, s.token_ids, s.num_prompt_tokens, eos_token_ids)
+    return out
+
+
+def process_row(row: torch.Tensor, p, token_ids: list[int], num_prompt_tokens: int,
+                eos_token_ids: frozenset[int]) -> torch.Tensor:
+    vocab = row.shape[-1]
+    outputs = token_ids[num_prompt_tokens:]
+    if p.repetition_penalty != 1.0 and token_ids:
+        # as HF's RepetitionPenaltyLogitsProcessor and vLLM: every token seen, prompt included
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and outputs:
+        counts = torch.bincount(torch.tensor(outputs, dtype=torch.long, device=row.device), minlength=vocab)
+        counts = counts[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+    if len(outputs) < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        banned = sorted(t for t in banned if t < vocab)
+        if banned:
+            row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+    return row
