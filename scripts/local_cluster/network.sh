@@ -40,7 +40,7 @@ guard_rules() {  # add|delete: drop anything forwarded to or from an uplink (the
     done
     if [ "$action" = delete ]; then  # by comment: also the rules of an uplink that has changed since
       "$family" -w -t mangle -S FORWARD 2>/dev/null | grep -- "--comment $rule_comment" | sed 's/^-A //' |
-        while read -r -a spec; do "$family" -w -t mangle -D "${spec[@]}" || true; done
+        while read -r -a spec; do "$family" -w -t mangle -D "${spec[@]}" || true; done || true  # none: grep fails
     fi
   done
 }
@@ -61,7 +61,8 @@ remove_kube_chains() {  # what kube-proxy --cleanup leaves: the kubelet's canari
     for table in filter nat mangle; do
       # rules that jump to a KUBE- chain from a built-in chain, then the chains themselves
       "$family" -w -t "$table" -S 2>/dev/null | grep -E '^-A [A-Z]+ .*-j KUBE-' | grep -vE '^-A KUBE-' |
-        sed 's/^-A //' | while read -r -a spec; do "$family" -w -t "$table" -D "${spec[@]}" 2>/dev/null || true; done
+        sed 's/^-A //' | while read -r -a spec; do "$family" -w -t "$table" -D "${spec[@]}" 2>/dev/null || true; done ||
+        true  # none: grep fails
       for chain in $("$family" -w -t "$table" -S 2>/dev/null | sed -n 's/^-N \(KUBE-[^ ]*\)$/\1/p'); do
         "$family" -w -t "$table" -F "$chain" 2>/dev/null || true
       done
