@@ -119,7 +119,8 @@ foreign_traffic() {
         else if (dst == "" && $i ~ /^dst=/) dst = substr($i, 5)
       }
       ours = (src ~ /^10\.88\./ || src == "10.89.0.1")
-      local = (dst ~ /^(127\.|10\.88\.|10\.97\.)/ || dst == "10.89.0.1")
+      # 224.0.0.x: link-local multicast (IGMP reports of the bridge), never routed off a link
+      local = (dst ~ /^(127\.|10\.88\.|10\.97\.|224\.0\.0\.)/ || dst == "10.89.0.1")
       if ((ours && !local) || dst ~ /^169\.254\./) print "conntrack: " $0  # 169.254/16: cloud metadata
     }'
   fi
