@@ -4,8 +4,9 @@
 #                                          (runc), kubelet, kube-proxy, a CNI bridge pod network; imports
 #                                          the images of scripts/build_images.sh. Idempotent.
 #   bash scripts/local_cluster.sh status   what runs, the node, and any connection leaving the machine
-#   bash scripts/local_cluster.sh down     stops all it started and undoes its rules, links, sysctls and
-#                                          mounts, also after a half-made `up` (--purge: also its state)
+#   bash scripts/local_cluster.sh down     stops all it started and undoes its rules, links, sysctls,
+#                                          mounts and log directories, also after a half-made `up`
+#                                          (--purge: also its state: etcd, images, certificates)
 # kubeconfig: ~/.cache/iterserve/local-cluster/kubeconfig. Binaries: scripts/build_kube.sh node (kubelet
 # without the cloud credential providers); packages: scripts/install_system_deps.sh cluster.
 # Pods reach loopback, the node address 10.89.0.1, pods in 10.88.0.0/16 and Services in 10.97.0.0/16, and
@@ -101,6 +102,11 @@ up() {
   check_environment
   mkdir -p "$state/run" "$state/logs" "$state/undo"
   [ -e "$state/undo/netns-before" ] || ls /var/run/netns 2>/dev/null > "$state/undo/netns-before" || true
+  # the kubelet writes container logs under these fixed paths: removed by `down` when `up` made them
+  local dir
+  for dir in /var/log/pods /var/log/containers; do
+    [ -e "$dir" ] || grep -qx "$dir" "$state/undo/dirs" 2>/dev/null || echo "$dir" >> "$state/undo/dirs"
+  done
   save_sysctls
   guard_rules add
   make_node_address
@@ -248,7 +254,9 @@ down() {
   guard_rules delete
   remove_links
   restore_sysctls
-  rm -rf "$run_dir" "$state/run" "$state/cni-ipam" "$state/undo/netns-before"
+  local dir
+  for dir in $(cat "$state/undo/dirs" 2>/dev/null); do rm -rf "$dir"; done
+  rm -rf "$run_dir" "$state/run" "$state/cni-ipam" "$state/undo/netns-before" "$state/undo/dirs"
   if [ "$purge" = --purge ]; then
     rm -rf "$state"
   fi

@@ -40,7 +40,7 @@ guard_rules() {  # add|delete: drop anything forwarded to or from an uplink (the
     done
     if [ "$action" = delete ]; then  # by comment: also the rules of an uplink that has changed since
       "$family" -w -t mangle -S FORWARD 2>/dev/null | grep -- "--comment $rule_comment" | sed 's/^-A //' |
-        while read -r -a spec; do "$family" -w -t mangle -D "${spec[@]}" || true; done
+        while read -r -a spec; do "$family" -w -t mangle -D "${spec[@]}" || true; done || true  # none: grep fails
     fi
   done
 }
@@ -61,7 +61,8 @@ remove_kube_chains() {  # what kube-proxy --cleanup leaves: the kubelet's canari
     for table in filter nat mangle; do
       # rules that jump to a KUBE- chain from a built-in chain, then the chains themselves
       "$family" -w -t "$table" -S 2>/dev/null | grep -E '^-A [A-Z]+ .*-j KUBE-' | grep -vE '^-A KUBE-' |
-        sed 's/^-A //' | while read -r -a spec; do "$family" -w -t "$table" -D "${spec[@]}" 2>/dev/null || true; done
+        sed 's/^-A //' | while read -r -a spec; do "$family" -w -t "$table" -D "${spec[@]}" 2>/dev/null || true; done ||
+        true  # none: grep fails
       for chain in $("$family" -w -t "$table" -S 2>/dev/null | sed -n 's/^-N \(KUBE-[^ ]*\)$/\1/p'); do
         "$family" -w -t "$table" -F "$chain" 2>/dev/null || true
       done
@@ -118,7 +119,8 @@ foreign_traffic() {
         else if (dst == "" && $i ~ /^dst=/) dst = substr($i, 5)
       }
       ours = (src ~ /^10\.88\./ || src == "10.89.0.1")
-      local = (dst ~ /^(127\.|10\.88\.|10\.97\.)/ || dst == "10.89.0.1")
+      # 224.0.0.x: link-local multicast (IGMP reports of the bridge), never routed off a link
+      local = (dst ~ /^(127\.|10\.88\.|10\.97\.|224\.0\.0\.)/ || dst == "10.89.0.1")
       if ((ours && !local) || dst ~ /^169\.254\./) print "conntrack: " $0  # 169.254/16: cloud metadata
     }'
   fi
