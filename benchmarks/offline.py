@@ -3,7 +3,7 @@
     python benchmarks/offline.py [--threads 2] [--max-num-seqs 64] [--compare-max-num-seqs 8,16]
                                  [--hf-limit N | --skip-hf] [--out results.json]
 
-Workload (benchmarks/workload.py): 64 prompts, output lengths spread evenly over 8-256, ignore_eos,
+Workload (benchmarks/offline_workload.py): 64 prompts, output lengths spread evenly over 8-256, ignore_eos,
 greedy, SmolLM2-135M-Instruct in fp32. Every engine reads the same fp32 weights (the bundled GGUF
 dequantized into an HF directory by prepare_model.py). Start-up is excluded everywhere. Printed:
 generated tok/s of each engine and the ratios the engine-core issue targets, with KV waste and
@@ -28,7 +28,7 @@ import torch
 from benchmarks.baseline_hf import run_hf_sequential
 from benchmarks.prepare_model import prepare_hf_model
 from benchmarks.scheduler_overhead import measure_overhead
-from benchmarks.workload import make_workload
+from benchmarks.offline_workload import make_workload
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.entrypoints.llm import LLM

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.tuning_load import StepLoad, find_target, send_load
-from iterserve.operator.tuning.act import get_scheduler, patch_scheduler
+from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.decide import HOLD
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import RUNNING, WAITING

@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from iterserve.kernels.cpu_extension import CppExtension
-from iterserve.server.model.llama import RMSNorm, TorchLayerOps
-from iterserve.server.model.rope import RotaryEmbedding
+from iterserve.kernels.layer_ops import TorchLayerOps
+
+if TYPE_CHECKING:  # types only: kernels/ never imports the model at run time
+    from iterserve.server.model.llama import RMSNorm
+    from iterserve.server.model.rope import RotaryEmbedding
 
 ENV_VAR = "ITERSERVE_CPU_LAYER_OPS"
 

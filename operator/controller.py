@@ -21,7 +21,7 @@ from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.reconcile import Change, reconcile, short_error
 from iterserve.operator.spec import SpecError, parse_llmservice
-from iterserve.operator.status import Observation, compute_status
+from iterserve.operator.status import ReconcileResult, compute_status
 
 API_VERSION = f"{GROUP}/{VERSION}"
 MAX_STATUS_RETRIES = 5
@@ -70,7 +70,7 @@ def patch_status(kube: Kube, namespace: str, name: str, compute) -> tuple[dict, 
     raise RuntimeError(f"status of {namespace}/{name}: still conflicting after {MAX_STATUS_RETRIES} tries")
 
 
-def write_status(kube: Kube, namespace: str, name: str, obs: Observation) -> tuple[list[dict], bool]:
+def write_status(kube: Kube, namespace: str, name: str, obs: ReconcileResult) -> tuple[list[dict], bool]:
     """The operator's part of the status. Returns (condition transitions, gone)."""
     written = patch_status(kube, namespace, name, lambda before: compute_status(obs, before, now_iso()))
     if written is None:
@@ -111,12 +111,12 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: Operat
             # leave the children as they are (the last good spec keeps serving) and say why
             result.spec_error = e
             deployment = _get_deployment(kube, namespace, name, result)
-            obs = Observation(name=name, generation=generation, deployment=deployment, spec_error=str(e),
+            obs = ReconcileResult(name=name, generation=generation, deployment=deployment, spec_error=str(e),
                               problems=result.problems)
         else:
             outcome = reconcile(kube, svc, pod_timeout=pod_timeout, operator=operator)
             result.changes, result.problems = outcome.changes, outcome.problems
-            obs = Observation(name=name, generation=generation, replicas_wanted=svc.replicas,
+            obs = ReconcileResult(name=name, generation=generation, replicas_wanted=svc.replicas,
                               tuning_mode=svc.tuning.mode, deployment=outcome.deployment, knobs=outcome.knobs,
                               problems=outcome.problems)
         result.transitions, result.gone = write_status(kube, namespace, name, obs)
@@ -149,7 +149,7 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
         degraded = get_condition(status.get("conditions"), DEGRADED) or {}
         if degraded.get("status") == "True" and degraded.get("reason") == "ReconcileFailed":
             result.problems.append(degraded.get("message", ""))
-        obs = Observation(name=name, generation=status.get("observedGeneration", svc.generation),
+        obs = ReconcileResult(name=name, generation=status.get("observedGeneration", svc.generation),
                           replicas_wanted=svc.replicas, tuning_mode=svc.tuning.mode, deployment=deployment,
                           knobs=knobs, problems=result.problems)
         result.transitions, result.gone = write_status(kube, namespace, name, obs)

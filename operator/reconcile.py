@@ -30,10 +30,10 @@ from iterserve.operator.builders.secret import (
 )
 from iterserve.operator.builders.service import build_service
 from iterserve.operator.drift import differences, foreign_owner
-from iterserve.operator.knobs import KnobPlan, describe_change, plan_knobs
+from iterserve.operator.knob_plan import KnobPlan, describe_change, plan_knobs
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.spec import LLMService
-from iterserve.operator.tuning.act import PodCallError, get_scheduler, patch_scheduler
+from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler, patch_scheduler
 
 logger = logging.getLogger("iterserve.operator")
 MAX_CONFLICT_RETRIES = 5
@@ -108,7 +108,7 @@ def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
 
 
 def ensure_knobs(kube: Kube, svc: LLMService, out: Outcome) -> dict[str, int]:
-    """Write the knobs to have in force (operator/knobs.py decides) into ConfigMap <name>-knobs."""
+    """Write the knobs to have in force (operator/knob_plan.py decides) into ConfigMap <name>-knobs."""
     return _write_knobs(kube, svc, out, lambda current: plan_knobs(svc, current), keep_recorded=False)
 
 

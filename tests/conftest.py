@@ -74,3 +74,14 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+KUBE_FIXTURES = {"kube_cluster", "kube_namespace"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses the real Kubernetes API server is marked `kube`, so `-m "not kube"` leaves
+    out the tests that need the apiserver binaries (scripts/bootstrap.sh --with-kube)."""
+    for item in items:
+        if KUBE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.kube)

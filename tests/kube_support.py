@@ -243,17 +243,6 @@ def install_crds(cluster: KubeCluster, crd_paths) -> None:
             time.sleep(0.05 if pending else 0)
 
 
-def wait_until(predicate, *, timeout: float, what: str = "the condition", interval: float = 0.2):
-    """Poll `predicate` until it returns something truthy, and return that; TimeoutError names `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if result := predicate():
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
 @pytest.fixture(scope="session")
 def kube_cluster(tmp_path_factory):
     if missing := missing_tools():

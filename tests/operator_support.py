@@ -16,7 +16,8 @@ import yaml
 from iterserve.operator.builders.secret import ADMIN_SECRET, admin_token_of
 from iterserve.operator.kube import Kube
 from tests.kube_processes import DaemonProcess
-from tests.kube_support import ROOT, KubeCluster, kubectl_binary, wait_until
+from tests.kube_support import ROOT, KubeCluster, kubectl_binary
+from tests.waiting import wait_until
 
 ITERSERVE = str(Path(sys.executable).parent / "iterserve")
 CRD = yaml.safe_load((ROOT / "crds/llmservice.yaml").read_text())

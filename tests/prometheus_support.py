@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -19,7 +18,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.server_support import free_port
+from tests.server_support import answers, exited, free_port
+from tests.waiting import wait_until
 
 
 def prometheus_binary() -> str | None:
@@ -58,14 +58,8 @@ class PrometheusServer:
 
     def wait_for_targets(self, num_targets: int, timeout: float = 30.0) -> None:
         """Until every target has been scraped at least once and is up."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            up = self.query("up == 1")
-            if len(up) >= num_targets:
-                return
-            time.sleep(0.25)
-        raise TimeoutError(f"prometheus at {self.url}: {num_targets} targets not up after {timeout} s: "
-                           f"{self.query('up')}")
+        wait_until(lambda: len(self.query("up == 1")) >= num_targets, timeout=timeout, interval=0.25,
+                   what=f"{num_targets} targets of prometheus at {self.url} to be up")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -99,15 +93,10 @@ def start_prometheus(workdir: Path, targets: list[str], *, labels: dict[str, str
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         stdout=log, stderr=subprocess.STDOUT)
     server = PrometheusServer(f"http://127.0.0.1:{port}", proc, workdir)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {proc.returncode}: {(workdir / 'prometheus.log').read_text()}")
-        try:
-            if httpx.get(f"{server.url}/-/ready", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    server.stop()
-    raise TimeoutError(f"prometheus not ready after 30 s: {(workdir / 'prometheus.log').read_text()}")
+    try:
+        wait_until(lambda: answers(f"{server.url}/-/ready"), timeout=30, interval=0.1, what="prometheus to be ready",
+                   fail_if=exited(proc))
+    except (RuntimeError, TimeoutError) as e:
+        server.stop()
+        raise RuntimeError(f"{e}; its log: {(workdir / 'prometheus.log').read_text()}") from None
+    return server

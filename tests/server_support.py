@@ -15,12 +15,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 
 from iterserve.server.config import EngineConfig
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CHAT_TEMPLATE = (
@@ -90,18 +90,34 @@ class InProcessServer:
         self.state.prep_pool.shutdown(wait=False, cancel_futures=True)
 
 
+def answers(url: str) -> bool:
+    """`url` answers 200 (False while nothing listens there yet)."""
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def exited(proc: subprocess.Popen | None):
+    """A `fail_if` for wait_until: the process's exit, once it has exited."""
+    return lambda: None if proc is None or proc.poll() is None else f"the process exited with {proc.returncode}"
+
+
 def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout} s")
+    wait_until(lambda: answers(f"{url}/ready"), timeout=timeout, what=f"{url} to be ready", interval=0.1,
+               fail_if=exited(proc))
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> str:
+    """Poll /metrics until nothing runs, waits or holds KV blocks; returns the last scrape."""
+    def idle():
+        text = httpx.get(url + "/metrics", timeout=10).text
+        state = [metric_value(text, n) for n in
+                 ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")]
+        return text if state == [0, 0, 0] else None
+
+    return wait_until(idle, timeout=timeout, what=f"{url} to be idle (nothing running, waiting or in KV)",
+                      interval=0.1)
 
 
 def start_subprocess(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:

@@ -22,7 +22,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tests.server_support import ROOT, free_port
+from tests.server_support import ROOT, exited, free_port
+from tests.waiting import wait_until
 
 BENCH = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "bench"]
 
@@ -86,10 +87,7 @@ class AppServer:
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "test server did not start"
-            time.sleep(0.05)
+        wait_until(lambda: self.server.started, timeout=30, interval=0.05, what="the test server to start")
         return self
 
     def __exit__(self, *exc):
@@ -168,10 +166,9 @@ def test_ctrl_c_keeps_partial_results(tmp_path):
         proc = subprocess.Popen([*BENCH, "--url", srv.url, "--output-len", "40", "--concurrency", "2",
                                  "--requests", "6", "--out", str(out)],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while len(accepted) < 3:  # the probe and the first two requests are being answered
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.05)
+        # the probe and the first two requests are being answered
+        wait_until(lambda: len(accepted) >= 3, timeout=60, interval=0.05, what="three requests to arrive",
+                   fail_if=exited(proc))
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)

@@ -9,8 +9,9 @@ import torch
 
 from iterserve.kernels import cpu_layer_ops
 from iterserve.kernels.cpu_layer_ops import CpuLayerOps
+from iterserve.kernels.layer_ops import TorchLayerOps
 from iterserve.kernels.paged_attention_torch import paged_attention
-from iterserve.server.model.llama import LlamaForCausalLM, RMSNorm, TorchLayerOps
+from iterserve.server.model.llama import LlamaForCausalLM, RMSNorm
 from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.model.rope import RotaryEmbedding
 from iterserve.server.runner.step_inputs import StepLayout, build_torch_metadata

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from iterserve.server.config import EngineConfig
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints.llm import LLM
 from tests.conftest import make_engine
 

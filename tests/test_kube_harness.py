@@ -9,7 +9,8 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.kube_support import crd_documents, install_crds, wait_until
+from tests.kube_support import crd_documents, install_crds
+from tests.waiting import wait_until
 
 OPERATOR_ROLE = """
 apiVersion: rbac.authorization.k8s.io/v1

@@ -10,7 +10,7 @@ import httpx
 import kubernetes
 import yaml
 
-from tests.kube_support import wait_until
+from tests.waiting import wait_until
 from tests.kubelet_standin import LocalKubelet
 from tests.server_support import add_tiny_tokenizer
 

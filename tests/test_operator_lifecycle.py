@@ -13,7 +13,7 @@ import pytest
 from iterserve.operator.builders.labels import ADMIN_PORT, HTTP_PORT
 from iterserve.operator.constants import GROUP, PLURAL, VERSION
 from tests.hung_pod import create_hung_pod
-from tests.kube_support import wait_until
+from tests.waiting import wait_until
 from tests.operator_support import (
     TIMEOUT, admin_kube, admin_token, apply_llmservice, assert_no_denials, condition, merge_patch_llmservice,
     operator, operator_rbac, start_operator, wait_for_status,

@@ -150,6 +150,14 @@ def test_images_run_as_the_user_the_pods_expect():
     assert 'CMD ["iterserve", "serve"]' in (ROOT / "manifests/Dockerfile.server").read_text()
 
 
+def test_images_copy_every_source_folder_the_package_maps():
+    folders = set(re.findall(r'"iterserve\.\w+" = "(\w+)"', (ROOT / "pyproject.toml").read_text()))
+    assert {"server", "operator", "kernels", "common"} <= folders
+    for name in ("Dockerfile.server", "Dockerfile.operator"):
+        text = (ROOT / "manifests" / name).read_text()
+        assert not [f for f in folders if f"COPY {f} {f}" not in text], name
+
+
 # module imported -> the PyPI distribution that provides it
 DISTRIBUTIONS = {"kopf": "kopf", "kubernetes": "kubernetes", "httpx": "httpx", "prometheus_client": "prometheus-client",
                  "yaml": "pyyaml"}

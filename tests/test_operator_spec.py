@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from iterserve.operator.builders.configmap import build_knobs_configmap
-from iterserve.operator.knobs import plan_knobs
+from iterserve.operator.knob_plan import plan_knobs
 from iterserve.operator.spec import DEFAULT_IMAGE, SpecError, parse_llmservice
 
 

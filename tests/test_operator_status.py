@@ -6,7 +6,7 @@ import pytest
 
 from iterserve.operator.conditions import get_condition, set_condition, transitions
 from iterserve.operator.drift import differences, foreign_owner
-from iterserve.operator.status import Observation, compute_status
+from iterserve.operator.status import ReconcileResult, compute_status
 
 T0, T1 = "2025-01-01T00:00:00Z", "2025-01-01T00:05:00Z"
 
@@ -35,7 +35,7 @@ def deployment(*, replicas=2, ready=2, updated=2, available=2, total=2, generati
                        "conditions": list(conditions)}}
 
 
-def conditions_of(obs: Observation, current=None) -> dict[str, tuple[str, str]]:
+def conditions_of(obs: ReconcileResult, current=None) -> dict[str, tuple[str, str]]:
     status = compute_status(obs, current, T0)
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 
@@ -70,7 +70,7 @@ STATES = [
 
 @pytest.mark.parametrize("title, fields, expected", STATES, ids=[s[0] for s in STATES])
 def test_conditions_follow_the_deployment(title, fields, expected):
-    obs = Observation(name="chat", generation=3, **{"replicas_wanted": 2, **fields})
+    obs = ReconcileResult(name="chat", generation=3, **{"replicas_wanted": 2, **fields})
     got = conditions_of(obs)
     assert {k: got[k] for k in expected} == expected
 
@@ -78,7 +78,7 @@ def test_conditions_follow_the_deployment(title, fields, expected):
 def test_status_fields_and_the_tuners_condition_is_left_alone():
     tuned = {"type": "Tuned", "status": "True", "reason": "WithinSLO", "message": "", "lastTransitionTime": T0}
     current = {"conditions": [tuned], "ttftP99Ms": 120.0}
-    obs = Observation(name="chat", generation=5, replicas_wanted=2, tuning_mode="auto",
+    obs = ReconcileResult(name="chat", generation=5, replicas_wanted=2, tuning_mode="auto",
                       deployment=deployment(ready=1), knobs={"max_num_seqs": 8, "max_num_batched_tokens": 512,
                                                              "prefill_chunk_size": 64})
     status = compute_status(obs, current, T1)
@@ -95,7 +95,7 @@ def test_status_fields_and_the_tuners_condition_is_left_alone():
 ])
 def test_observed_generation_never_goes_backwards(observed_before, generation, expected):
     current = {} if observed_before is None else {"observedGeneration": observed_before}
-    status = compute_status(Observation(name="chat", generation=generation, replicas_wanted=1,
+    status = compute_status(ReconcileResult(name="chat", generation=generation, replicas_wanted=1,
                                         deployment=deployment()), current, T0)
     assert status["observedGeneration"] == expected
     assert {c["observedGeneration"] for c in status["conditions"]} == {expected}

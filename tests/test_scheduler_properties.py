@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from iterserve.server.engine.knobs import SchedulerKnobs
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.engine.request import RequestStatus
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.runner.null_runner import NullModelRunner
 
 VOCAB = 1000

@@ -11,16 +11,11 @@ import sys
 import httpx
 import pytest
 
-from iterserve.operator.tuning.act import get_scheduler, patch_scheduler
-from tests.server_support import add_tiny_tokenizer, free_port, metric_value, start_subprocess
+from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
+from tests.server_support import free_port, metric_value, start_subprocess
 
 TOKEN = "admin-secret-for-the-tests"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 def test_admin_api_only_on_the_admin_port(tiny_dir):

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_support import InProcessServer, metric_value, run_concurrent_clients
+from tests.server_support import InProcessServer, metric_value, run_concurrent_clients, wait_idle
 
 MODEL = "test-model"
 LONG = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -27,20 +27,6 @@ def server(tiny_dir):
 
 def metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10).text
-
-
-def wait_idle(url: str, timeout: float = 30.0) -> str:
-    """Poll /metrics until nothing runs, waits or holds KV blocks; returns the last scrape."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = metrics(url)
-        state = [metric_value(text, n) for n in
-                 ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")]
-        if state == [0, 0, 0]:
-            return text
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle: running, waiting, kv usage = {state}")
-        time.sleep(0.1)
 
 
 _VALID = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
-from tests.server_support import InProcessServer, add_tiny_tokenizer
+from tests.server_support import InProcessServer
 
 
-def test_no_server_errors(tiny_llama, tmp_path):
-    model = add_tiny_tokenizer(tiny_llama[0], tmp_path / "tiny-tok")
+def test_no_server_errors(tiny_dir):
+    model = tiny_dir
     # a short context keeps every generated request's generation short
     with InProcessServer(model, model_name="test-model", max_model_len=64, admin_token="admin-token-for-schemathesis") as srv:
         schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")

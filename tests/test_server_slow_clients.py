@@ -10,12 +10,11 @@ import json
 import socket
 import time
 
-import httpx
 import pytest
 
 from iterserve.server.api.limits import ServerLimits
 from tests.conftest import TINY, save_tiny
-from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value
+from tests.server_support import InProcessServer, add_tiny_tokenizer, metric_value, wait_idle
 
 MODEL = "test-model"
 
@@ -135,7 +134,7 @@ def run_non_reader(srv, reason: str) -> None:
             assert time.monotonic() < deadline, f"never cut off ({reason})"
             assert srv.engine.snapshot()["num_generated_tokens"] < 8 * STREAM["max_tokens"], "the stream ran to its end"
             time.sleep(0.1)
-        text = wait_idle(srv)
+        text = wait_idle(srv.url)
         assert metric_value(text, "vllm:request_success_total", finished_reason="abort") == aborted + 8
         assert metric_value(text, "vllm:generation_tokens_total") - generated < 8 * STREAM["max_tokens"]
         assert srv.state.engine.num_in_flight == 0
@@ -143,16 +142,6 @@ def run_non_reader(srv, reason: str) -> None:
         sock.close()
 
 
-def wait_idle(srv, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = httpx.get(srv.url + "/metrics", timeout=10).text
-        state = [metric_value(text, n) for n in
-                 ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")]
-        if state == [0, 0, 0]:
-            return text
-        assert time.monotonic() < deadline, f"not idle: running, waiting, kv usage = {state}"
-        time.sleep(0.1)
 
 
 def test_a_client_that_stops_reading_is_cut_off_after_the_stall_timeout(long_tiny_dir):

@@ -13,7 +13,8 @@ from tests.triton_support import make_block_tables  # noqa: F401  (sets TRITON_I
 
 import torch
 
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.runner.cuda_graphs import bucket_for, capture_sizes, pad_decode_step
 from iterserve.server.runner.step_inputs import StepLayout
 from tests.conftest import make_engine

@@ -17,7 +17,6 @@ from benchmarks.tuning_report import (attainable, best_static, fold_repeats, mac
 from benchmarks.tuning_runs import convergence_s, within_one_step
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.server.bench.client import RequestRecord
-from tests.server_support import add_tiny_tokenizer
 
 POLICY = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100)  # seqs_step 2, back-off x0.5, chunk factor 2
 
@@ -227,9 +226,9 @@ def test_machine_speed_flags_the_runs_whose_unloaded_gap_drifted_from_the_calibr
                           "tuned": {}}) == ("unloaded median gap before each run, ms (calibration 48): ", [])
 
 
-def test_whole_script_on_a_tiny_model(tiny_llama, tmp_path, capsys):
+def test_whole_script_on_a_tiny_model(tiny_dir, tmp_path, capsys):
     """A real server, the real tuner and every run of the script, shrunk to a few seconds each."""
-    model = add_tiny_tokenizer(tiny_llama[0], tmp_path / "model")
+    model = tiny_dir
     out = tmp_path / "tuning.json"
     main(["--quick", "--model", model, "--threads", "1", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
           "--rates", "4,8,4", "--fixed-rates", "--phase-s", "2", "--long-prompt", "40,60", "--short-prompt", "4,8",

@@ -24,16 +24,16 @@ import statistics
 import httpx
 import pytest
 
-from iterserve.operator.tuning.act import get_scheduler
+from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.server.bench.load import BenchConfig, run_bench
 from iterserve.server.bench.workload import WorkloadSpec, parse_length
-from tests.kube_support import wait_until
+from tests.waiting import wait_until
 from tests.kubelet_standin import LocalKubelet
 from tests.operator_support import (
     TIMEOUT, admin_kube, admin_token, apply_llmservice, assert_no_denials, condition, events_for,
     merge_patch_llmservice, operator_rbac, start_operator, wait_for_event, wait_for_status,
 )
-from tests.server_support import add_tiny_tokenizer, free_port, metric_value
+from tests.server_support import free_port, metric_value
 from tests.test_tuning_live import Load
 
 __all__ = ["operator_rbac"]  # a fixture, used by name
@@ -77,10 +77,9 @@ def request_seconds(url: str) -> float:
     return statistics.median(times)
 
 
-def test_observe_recommends_then_auto_meets_the_slo_live(kube_cluster, kube_namespace, operator, tiny_llama,
-                                                         tmp_path_factory):
+def test_observe_recommends_then_auto_meets_the_slo_live(kube_cluster, kube_namespace, operator, tiny_dir):
     kube, ns = admin_kube(kube_cluster), kube_namespace
-    model = add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
+    model = tiny_dir
 
     def pods() -> list[dict]:
         return kube.list("v1", "Pod", ns, f"app.kubernetes.io/instance={NAME}")

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from iterserve.operator.tuning.act import get_scheduler, patch_scheduler
+from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.decide import BACK_OFF_SEQS, RAISE_SEQS
 from iterserve.operator.tuning.histograms import histogram_quantile
 from iterserve.operator.tuning.knobs import Knobs
@@ -25,7 +25,7 @@ from iterserve.operator.tuning.tuner import Tuner
 from iterserve.server.bench.load import BenchConfig, run_bench
 from iterserve.server.bench.workload import WorkloadSpec, parse_length
 from tests.prometheus_support import require_prometheus, start_prometheus
-from tests.server_support import add_tiny_tokenizer, start_subprocess
+from tests.server_support import start_subprocess
 
 TOKEN = "admin-secret-for-tests"
 QUEUED = Knobs(max_num_seqs=1, max_num_batched_tokens=512, prefill_chunk_size=256)
@@ -41,9 +41,9 @@ def serve(model: str, kv: str, seqs: int):
 
 
 @pytest.fixture(scope="module")
-def pods(tiny_llama, tmp_path_factory):
+def pods(tiny_dir):
     """Two pods of one service, each with a KV cache for about 10 of the test's requests (64 blocks)."""
-    model = add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
+    model = tiny_dir
     with ThreadPoolExecutor(2) as pool:
         started = list(pool.map(lambda _: serve(model, "512KiB", 1), range(2)))
     yield [url for _, url in started]

@@ -10,12 +10,12 @@ import logging
 
 import pytest
 
-from iterserve.operator.tuning.act import get_scheduler
+from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.tuner import Tuner
-from tests.server_support import InProcessServer, add_tiny_tokenizer, free_port
+from tests.server_support import InProcessServer, free_port
 from tests.test_tuning_decide import GOOD_BUSY
 
 TOKEN = "admin-secret-for-tests"
@@ -40,8 +40,8 @@ class CannedSource:
 
 
 @pytest.fixture(scope="module")
-def pods(tiny_llama, tmp_path_factory):
-    model = add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
+def pods(tiny_dir):
+    model = tiny_dir
     servers = [InProcessServer(model, admin_token=TOKEN, max_num_seqs=4, prefill_chunk_size=128) for _ in range(3)]
     for s in servers:
         s.__enter__()
@@ -52,7 +52,7 @@ def pods(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def reset(pods):
-    from iterserve.operator.tuning.act import patch_scheduler
+    from iterserve.operator.tuning.pod_admin import patch_scheduler
 
     for url in pods:
         patch_scheduler(url, TOKEN, START.as_dict())

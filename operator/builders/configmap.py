@@ -1,16 +1,17 @@
 """ConfigMap `<name>-knobs`: the live knobs in force, read by pods at start through env vars (pure).
 
 Running pods get every change through PATCH /admin/scheduler, so a knob change never restarts a pod.
-The annotation records spec.engine's knobs as the operator last wrote them (see operator/knobs.py).
+The annotation records spec.engine's knobs as the operator last wrote them (see operator/knob_plan.py).
 """
 
 from __future__ import annotations
 
 import json
 
+from iterserve.common import wire
 from iterserve.operator.builders.labels import ANNOTATION_PREFIX, child_metadata, knobs_configmap_name
 from iterserve.operator.spec import LLMService
-from iterserve.operator.tuning.act import KNOB_NAMES
+from iterserve.common.wire import KNOB_NAMES
 
 SPEC_KNOBS_ANNOTATION = ANNOTATION_PREFIX + "spec-knobs"
 
@@ -20,7 +21,7 @@ def configmap_key(knob: str) -> str:
 
 
 def env_var(knob: str) -> str:
-    return "ITERSERVE_" + knob.upper()
+    return next(k.env for k in wire.KNOBS if k.name == knob)
 
 
 def knobs_from_configmap(configmap: dict | None) -> dict[str, int] | None:

@@ -7,6 +7,7 @@ template stays the same when they change and running pods get the new values ove
 
 from __future__ import annotations
 
+from iterserve.common import wire
 from iterserve.operator.builders.labels import (
     ADMIN_PORT, ADMIN_PORT_NAME, ANNOTATION_PREFIX, HTTP_PORT, child_metadata,
     knobs_configmap_name, labels, selector_labels,
@@ -14,7 +15,6 @@ from iterserve.operator.builders.labels import (
 from iterserve.operator.builders.secret import ADMIN_SECRET
 from iterserve.operator.builders.configmap import configmap_key, env_var
 from iterserve.operator.spec import LLMService
-from iterserve.operator.tuning.act import KNOB_NAMES
 
 CONTAINER = "server"
 MODEL_MOUNT = "/models"
@@ -54,19 +54,19 @@ def server_args(svc: LLMService) -> list[str]:
     for flag, value in optional:
         if value is not None:
             args += [flag, str(value)]
-    for knob in KNOB_NAMES:  # expanded by the kubelet from the env below, i.e. from the ConfigMap
-        args += ["--" + configmap_key(knob), f"$({env_var(knob)})"]
+    for knob in wire.KNOBS:  # expanded by the kubelet from the env below, i.e. from the ConfigMap
+        args += [knob.flag, f"$({knob.env})"]
     return args
 
 
 def _env(svc: LLMService) -> list[dict]:
     env = [{"name": env_var(knob),
             "valueFrom": {"configMapKeyRef": {"name": knobs_configmap_name(svc.name), "key": configmap_key(knob)}}}
-           for knob in KNOB_NAMES]
-    env.append({"name": "ITERSERVE_ADMIN_TOKEN",
+           for knob in wire.KNOB_NAMES]
+    env.append({"name": wire.ADMIN_TOKEN_ENV,
                 "valueFrom": {"secretKeyRef": {"name": ADMIN_SECRET, "key": svc.name}}})
     if svc.api_key is not None:
-        env.append({"name": "ITERSERVE_API_KEY",
+        env.append({"name": wire.API_KEY_ENV,
                     "valueFrom": {"secretKeyRef": {"name": svc.api_key.name, "key": svc.api_key.key}}})
     env.append({"name": "HOME", "value": "/tmp"})  # caches (torch, triton) go to the writable volume
     return env

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from iterserve.common import wire
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.spec import LLMService
 
 MANAGED_BY = "iterserve-operator"
-HTTP_PORT = 8000
-ADMIN_PORT = 8001  # /admin/* only (`iterserve serve --admin-port`), reachable from the operator alone
+HTTP_PORT = wire.HTTP_PORT
+ADMIN_PORT = wire.ADMIN_PORT  # /admin/* only (`iterserve serve --admin-port`), reachable from the operator alone
 ADMIN_PORT_NAME = "admin"
 ANNOTATION_PREFIX = "iterserve.io/"
 

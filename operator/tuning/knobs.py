@@ -6,15 +6,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-CAMEL = {"max_num_seqs": "maxNumSeqs", "max_num_batched_tokens": "maxNumBatchedTokens",
-         "prefill_chunk_size": "prefillChunkSize"}
+from iterserve.common import wire
+
+CAMEL = wire.KNOB_CAMEL
 
 
 @dataclass(frozen=True, order=True)
 class Knobs:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    prefill_chunk_size: int = 256
+    max_num_seqs: int = wire.KNOB_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = wire.KNOB_DEFAULTS["max_num_batched_tokens"]
+    prefill_chunk_size: int = wire.KNOB_DEFAULTS["prefill_chunk_size"]
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -6,23 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-TTFT = "vllm:time_to_first_token_seconds"
-ITL = "vllm:inter_token_latency_seconds"
-QUEUE_TIME = "vllm:request_queue_time_seconds"
+from iterserve.common.wire import (  # noqa: F401  (the tuner's readers import the names from here)
+    GENERATION_TOKENS, HTTP_RESPONSES, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME, REQUESTS, RUNNING,
+    STEP_FAILURES, TTFT, WAITING,
+)
+
 HISTOGRAMS = (TTFT, ITL, QUEUE_TIME)
 
-REQUESTS = "vllm:request_success_total"  # every finished request, summed over finished_reason
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-PREEMPTIONS = "vllm:num_preemptions_total"
-STEP_FAILURES = "iterserve:engine_step_failures_total"  # each failed step answered its requests with a 500
-HTTP_RESPONSES = "iterserve:http_responses_total"  # by route and code; only the 5xx series are read
 SERVER_ERRORS = "5xx"  # this module's name for the sum of HTTP_RESPONSES{code=~"5.."}
 COUNTERS = (REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, PREEMPTIONS, STEP_FAILURES, SERVER_ERRORS)
 
-WAITING = "vllm:num_requests_waiting"
-RUNNING = "vllm:num_requests_running"
-KV_USAGE = "vllm:kv_cache_usage_perc"
 GAUGES = (WAITING, RUNNING, KV_USAGE)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Sequence
 
-from iterserve.operator.tuning.act import PodCallError, get_scheduler, patch_scheduler
+from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler, patch_scheduler
 from iterserve.operator.tuning.decide import HOLD, ROLLBACK, Decision, TunerState, decide
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import MetricsSource, Observation

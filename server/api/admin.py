@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import logging
 
+from iterserve.common import wire
 from iterserve.server.api.errors import APIError
 from iterserve.server.api.protocol import KnobsPatch
 from iterserve.server.api.serving import ServerState
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 logger = logging.getLogger("iterserve.admin")
-
-KNOB_LIMIT = 2**20  # far above any useful value; keeps a typo from reaching the scheduler
-
 
 def ranges(state: ServerState) -> dict[str, dict[str, int]]:
     max_len = state.engine.max_model_len
     return {
-        "max_num_seqs": {"min": 1, "max": KNOB_LIMIT},
-        "max_num_batched_tokens": {"min": 1, "max": KNOB_LIMIT},
-        "prefill_chunk_size": {"min": 1, "max": max(KNOB_LIMIT, max_len)},
+        "max_num_seqs": {"min": 1, "max": wire.KNOB_LIMIT},
+        "max_num_batched_tokens": {"min": 1, "max": wire.KNOB_LIMIT},
+        "prefill_chunk_size": {"min": 1, "max": max(wire.KNOB_LIMIT, max_len)},
     }
 
 
@@ -37,7 +35,7 @@ def describe(state: ServerState) -> dict:
 async def apply(state: ServerState, patch: KnobsPatch) -> dict:
     changes = patch.model_dump(exclude_none=True)
     if not changes:
-        raise APIError(400, "give at least one of max_num_seqs, max_num_batched_tokens, prefill_chunk_size",
+        raise APIError(400, f"give at least one of {', '.join(wire.KNOB_NAMES)}",
                        param=None, code="invalid_value")
     limits = ranges(state)
     for name, value in changes.items():

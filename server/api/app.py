@@ -1,7 +1,8 @@
 """The FastAPI app: thin routes over `serving`, `responses`, `metrics` and `admin`.
 
-Auth: with an API key configured, every /v1 route needs `Authorization: Bearer KEY`; /admin needs the
-separate admin token; /health, /ready and /metrics are open (probes and scrapers carry no secrets).
+Auth: with an API key configured, every /v1 route and /tokenize, /detokenize need `Authorization: Bearer
+KEY`; /admin needs the separate admin token; /health, /ready, /metrics and /version are open (probes and
+scrapers carry no secrets).
 The completion routes check the key before they read the body (within `BodyLimit`), then hand it to
 the thread pool (`serving.prepare`); their OpenAPI bodies are declared from the pydantic models.
 A request whose client disconnects is aborted: a stream when Starlette cancels it, a non-streaming
@@ -18,10 +19,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from iterserve.server.api import admin
+from iterserve.server.api import tokenize as tokenizing
 from iterserve.server.api.body_limit import BodyLimit
 from iterserve.server.api.errors import APIError, install_error_handlers
-from iterserve.server.api.protocol import (ChatCompletionRequest, CompletionRequest, KnobsPatch, openapi_body,
-                                           parse_body)
+from iterserve.server.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, KnobsPatch,
+                                           TokenizeCompletionRequest, openapi_body, parse_body)
 from iterserve.server.api.response_counter import ResponseCounter
 from iterserve.server.api.responses import chat_body, completion_body, stream_events
 from iterserve.server.api.serving import ServerState, collect, prepare_in_pool, start
@@ -91,6 +93,20 @@ def create_app(state: ServerState) -> FastAPI:
               openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await _run(state, request, chat=True)
+
+    @app.post("/tokenize", dependencies=[Depends(api_key)], openapi_extra=openapi_body(TokenizeCompletionRequest))
+    async def tokenize(request: Request):
+        return await tokenizing.in_pool(state, tokenizing.tokenize, await request.body(),
+                                        request.headers.get("content-type"))
+
+    @app.post("/detokenize", dependencies=[Depends(api_key)], openapi_extra=openapi_body(DetokenizeRequest))
+    async def detokenize(request: Request):
+        return await tokenizing.in_pool(state, tokenizing.detokenize, await request.body(),
+                                        request.headers.get("content-type"))
+
+    @app.get("/version")
+    async def version():
+        return tokenizing.version()
 
     @app.get("/admin/scheduler", dependencies=[Depends(admin_token)])
     async def get_scheduler():

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from iterserve.server.config import check_positive_int
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 DEFAULT_MAX_PROMPT_TOKENS = 131072  # per request, unless max_model_len is larger
 SCHEDULING_POLICIES = ("fcfs", "priority")

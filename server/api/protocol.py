@@ -144,6 +144,30 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
+class TokenizeCompletionRequest(_Model):
+    """POST /tokenize with a prompt, as vLLM's."""
+
+    model: Str | None = None
+    prompt: Str
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
+
+
+class TokenizeChatRequest(_Model):
+    """POST /tokenize with messages, rendered through the model's chat template, as vLLM's."""
+
+    model: Str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: Bool = True
+    add_special_tokens: Bool = False  # the template writes the special tokens it wants
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(_Model):
+    model: Str | None = None
+    tokens: TokenIds
+
+
 class KnobsPatch(_Model):
     """PATCH /admin/scheduler: any subset of the live knobs."""
 

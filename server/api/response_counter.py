@@ -1,5 +1,5 @@
-"""The outermost layer of the app: counts every /v1 response by route and status code, and answers an
-exception nothing else handled with one logged, counted, OpenAI-shaped 500.
+"""The outermost layer of the app: counts every API response (/v1, /tokenize, /detokenize) by route and
+status code, and answers an exception nothing else handled with one logged, counted, OpenAI-shaped 500.
 
 A plain ASGI middleware, not BaseHTTPMiddleware: that one would buffer the receive channel the
 disconnect watcher reads and delay streamed chunks. It catches what the app raises itself rather than
@@ -15,7 +15,7 @@ from iterserve.server.api.errors import error_response
 
 logger = logging.getLogger("iterserve.server")
 
-V1_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+API_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize")
 
 
 class ResponseCounter:
@@ -28,8 +28,8 @@ class ResponseCounter:
             return await self.app(scope, receive, send)
         path = scope["path"]
         route = None
-        if path.startswith("/v1/") and self.metrics is not None:
-            route = path if path in V1_ROUTES else "other"
+        if self.metrics is not None and (path.startswith("/v1/") or path in API_ROUTES):
+            route = path if path in API_ROUTES else "other"
         started = False
 
         async def counting_send(message):

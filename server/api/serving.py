@@ -26,7 +26,8 @@ from iterserve.server.api.protocol import (MAX_CHOICES, SEED_MAX, ChatCompletion
                                            parse_body)
 from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 
 
 def _prep_pool() -> ThreadPoolExecutor:
@@ -122,22 +123,31 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Job:
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
     _check_request_shape(state, req, "messages", num_prompts=1)
+    if req.top_logprobs and not req.logprobs:
+        # as vLLM: alternatives to tokens whose logprobs were not asked for would be silently dropped
+        raise APIError(400, "top_logprobs: when using `top_logprobs`, `logprobs` must be set to true",
+                       param="top_logprobs", code="invalid_value")
     tokenizer = state.engine.tokenizer
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer and so no chat template; use /v1/completions "
-                       "with token ids", param="messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    text = render_chat(state, req.messages, add_generation_prompt=True)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # the template already writes any BOS it wants: adding special tokens again would double it
     ids = tokenizer.encode(text, add_special_tokens=False)
     return _make_job(state, req, "chatcmpl", "messages", [ids], max_tokens,
                      default_max_tokens=None,
                      top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+
+
+def render_chat(state: ServerState, messages, add_generation_prompt: bool) -> str:
+    """`messages` through the model's chat template (400 naming `messages` when it cannot be)."""
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer and so no chat template; use /v1/completions "
+                       "with token ids", param="messages")
+    dicts = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 def _single_prompt(prompt) -> bool:

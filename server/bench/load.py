@@ -87,10 +87,6 @@ class BenchConfig:
         if problems:
             raise ValueError("; ".join(problems))
 
-    @property
-    def sweep_param(self) -> str:
-        return "concurrency" if self.concurrency is not None else "rate"
-
     def loads(self) -> list[dict]:
         values = self.sweep or (self.concurrency if self.concurrency is not None else self.rate,)
         if self.concurrency is not None:

@@ -13,13 +13,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from iterserve.server.engine.block_manager import BlockManager
 from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
 from iterserve.server.engine.outputs import CoreOutput
 from iterserve.server.engine.request import Request, RequestStatus
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:  # the engine does not import the runner: the runner is handed in
+    from iterserve.server.runner.sampler import ModelRunnerOutput
+
+
+class Runner(Protocol):
+    """What the engine core needs of a model runner (ModelRunner, NullModelRunner): one step's data-only
+    SchedulerOutput in; the token (and logprobs) of every request the scheduler marked to sample out,
+    keyed by request id."""
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
 @dataclass
@@ -41,7 +53,7 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, model_runner, *, max_model_len: int, num_blocks: int, block_size: int,
+    def __init__(self, model_runner: Runner, *, max_model_len: int, num_blocks: int, block_size: int,
                  knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=()):
         if num_blocks * block_size < max_model_len:
             raise InvalidRequestError(

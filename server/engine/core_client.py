@@ -35,7 +35,8 @@ from iterserve.server.engine.messages import (Abort, AddRequest, FromCore, Knobs
                                               StartupFailed, StepFailed, StepReport, UpdateKnobs)
 from iterserve.server.engine.output_processor import OutputProcessor
 from iterserve.server.engine.outputs import RequestOutput
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 
 logger = logging.getLogger("iterserve.engine")
 

@@ -24,7 +24,7 @@ from iterserve.server.engine.messages import (Abort, AddRequest, KnobsReply, Rea
                                               StartupFailed, StepFailed, StepReport, StepStats, ToCore,
                                               UpdateKnobs)
 from iterserve.server.engine.request import Request
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 logger = logging.getLogger("iterserve.engine")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from iterserve.server.config import EngineConfig, parse_memory
 from iterserve.server.engine.core import EngineCore
 from iterserve.server.engine.llm_engine import LLMEngine
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.model.loader import load_model
 from iterserve.server.runner.backends import resolve_backend_name
 from iterserve.server.runner.model_runner import ModelRunner

@@ -9,7 +9,8 @@ from __future__ import annotations
 import uuid
 
 from iterserve.server.engine.request import Request
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 
 
 class InputProcessor:

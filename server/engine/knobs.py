@@ -10,14 +10,16 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.common import wire
+from iterserve.server.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
 class SchedulerKnobs:
-    max_num_seqs: int = 64  # most requests in the running batch
-    max_num_batched_tokens: int = 512  # token budget of one step (decodes count 1 each)
-    prefill_chunk_size: int = 256  # most prompt tokens computed in one step, all requests together
+    # defaults and meanings: common/wire.py, which the operator reads too
+    max_num_seqs: int = wire.KNOB_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = wire.KNOB_DEFAULTS["max_num_batched_tokens"]
+    prefill_chunk_size: int = wire.KNOB_DEFAULTS["prefill_chunk_size"]
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

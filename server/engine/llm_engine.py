@@ -17,7 +17,8 @@ from iterserve.server.engine.knobs import SchedulerKnobs
 from iterserve.server.engine.output_processor import OutputProcessor
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.request import Request
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 
 
 class LLMEngine:
@@ -32,12 +33,6 @@ class LLMEngine:
         engine = cls.__new__(cls)
         engine._wrap(core, tokenizer, vocab_size)
         return engine
-
-    @classmethod
-    def from_config(cls, config) -> "LLMEngine":
-        from iterserve.server.engine.engine_factory import build_engine
-
-        return build_engine(config)
 
     def _wrap(self, core: EngineCore, tokenizer, vocab_size: int) -> None:
         self.core = core

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class InvalidRequestError(ValueError):
-    """A request parameter is invalid. `param` names the offending field (OpenAI's `param`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
-
+from iterserve.server.errors import InvalidRequestError
 
 GREEDY_BELOW = 1e-5
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 logger = logging.getLogger("iterserve.server")
 

@@ -1,4 +1,4 @@
-"""The `iterserve` command: one subcommand per job (generate, serve; bench and operator come later)."""
+"""The `iterserve` command: one subcommand per job (generate, serve, bench, operator)."""
 
 from __future__ import annotations
 

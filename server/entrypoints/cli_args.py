@@ -1,9 +1,10 @@
-"""Engine flags shared by every subcommand that builds an engine (generate now, serve and bench later)."""
+"""Engine flags shared by every subcommand that builds an engine (`generate`, `serve`)."""
 
 from __future__ import annotations
 
 import argparse
 
+from iterserve.common import wire
 from iterserve.server.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
 from iterserve.server.engine.scheduler import POLICIES
 
@@ -18,9 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size: bytes (e.g. 2GiB) or a fraction (e.g. 0.5) of free memory")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    g.add_argument("--prefill-chunk-size", type=int, default=256, help="most prompt tokens per step, all requests together")
+    for knob in wire.KNOBS:  # live: PATCH /admin/scheduler changes them on a running server
+        g.add_argument(knob.flag, type=int, default=knob.default, help=f"{knob.help} (live knob)")
     g.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests without their own")

@@ -7,7 +7,8 @@ import json
 import logging
 import sys
 
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
 
 

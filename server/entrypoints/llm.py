@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from iterserve.server.config import EngineConfig
-from iterserve.server.engine.llm_engine import LLMEngine
+from iterserve.server.engine.engine_factory import build_engine
 from iterserve.server.engine.outputs import RequestOutput
-from iterserve.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 
 
 class LLM:
@@ -21,7 +22,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **engine_options):
         if config is not None and (model is not None or engine_options):
             raise TypeError("give either config or model/engine options, not both")
-        self.engine = LLMEngine.from_config(config or EngineConfig(model=model, **engine_options))
+        self.engine = build_engine(config or EngineConfig(model=model, **engine_options))
 
     @property
     def tokenizer(self):

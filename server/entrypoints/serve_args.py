@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+from iterserve.common import wire
 from iterserve.server.api.limits import DEFAULT_MAX_PROMPT_TOKENS, SCHEDULING_POLICIES, ServerLimits
 from iterserve.server.config import parse_memory
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 
 MIN_SECRET_LENGTH = 16
 _D = ServerLimits()
@@ -46,8 +47,8 @@ def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
 def check_secrets(api_key: str | None, admin_token: str | None) -> None:
     """Each secret set must be long enough to resist guessing, and the two must differ: an API key
     holder must not be able to retune the server."""
-    for flag, env, value in (("--api-key", "ITERSERVE_API_KEY", api_key),
-                             ("--admin-token", "ITERSERVE_ADMIN_TOKEN", admin_token)):
+    for flag, env, value in (("--api-key", wire.API_KEY_ENV, api_key),
+                             ("--admin-token", wire.ADMIN_TOKEN_ENV, admin_token)):
         if value is not None and len(value) < MIN_SECRET_LENGTH:
             raise InvalidRequestError(flag, f"(or env {env}) must be at least {MIN_SECRET_LENGTH} characters, got "
                                       f"{len(value)}; use a random one, e.g. `openssl rand -hex 16`")

@@ -18,7 +18,8 @@ import signal
 import sys
 import time
 
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.common import wire
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints import admin_listener
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from iterserve.server.entrypoints.serve_args import add_server_limit_args, check_secrets, server_limits_from_args
@@ -30,13 +31,13 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server",
                        description="Serve a model over an OpenAI-compatible HTTP API with Prometheus metrics.")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=wire.HTTP_PORT)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model path's last part)")
-    p.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1 (default: env ITERSERVE_API_KEY)")
-    p.add_argument("--admin-token", default=os.environ.get("ITERSERVE_ADMIN_TOKEN"),
-                   help="token for /admin/scheduler (default: env ITERSERVE_ADMIN_TOKEN; unset: admin off)")
+    p.add_argument("--api-key", default=os.environ.get(wire.API_KEY_ENV),
+                   help=f"require `Authorization: Bearer KEY` on /v1 (default: env {wire.API_KEY_ENV})")
+    p.add_argument("--admin-token", default=os.environ.get(wire.ADMIN_TOKEN_ENV),
+                   help=f"token for {wire.ADMIN_SCHEDULER_PATH} (default: env {wire.ADMIN_TOKEN_ENV}; unset: admin off)")
     p.add_argument("--admin-port", type=int, default=None,
                    help="serve /admin/* only on this port, on the same host (default: on --port)")
     p.add_argument("--max-queue", type=int, default=None,

@@ -5,9 +5,9 @@ step, and attention goes through the paged KV cache (see kernels/attention_metad
 gate/up are fused into one matmul each, which matters on CPU where every op has a fixed cost.
 
 The attention function and the layer's elementwise ops (`layer_ops`: residual add + RMSNorm, rotary,
-SwiGLU) are passed in: TorchLayerOps here on CPU, the fused Triton kernels on CUDA
-(kernels/triton_backend.py). Layers hand the residual stream on separately, as vLLM does, so the
-residual add can be fused into the next norm.
+SwiGLU) are passed in (kernels/layer_ops.py: `AttentionFn`, `LayerOps`): the C++ ops on CPU, the fused
+Triton kernels on CUDA (kernels/triton_backend.py), `TorchLayerOps` by default. Layers hand the
+residual stream on separately, as vLLM does, so the residual add can be fused into the next norm.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.kernels.attention_metadata import AttentionMetadata
+from iterserve.kernels.layer_ops import AttentionFn, LayerOps, TorchLayerOps
 from iterserve.server.model.cpu_linear import PackedLinear
 from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.model.rope import RotaryEmbedding
@@ -38,28 +39,8 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class TorchLayerOps:
-    """The layer's elementwise ops in plain torch: the CPU path."""
-
-    @staticmethod
-    def add_rms_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
-        """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
-        if residual is not None:
-            x = x + residual
-        return norm(x), x
-
-    @staticmethod
-    def rotary(rope: RotaryEmbedding, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        return rope(positions, qk)
-
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn, layer_ops):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn, layer_ops: type[LayerOps]):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -96,7 +77,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn, layer_ops):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn, layer_ops: type[LayerOps]):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rope, attention_fn, layer_ops)
@@ -115,7 +96,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints alike."""
 
-    def __init__(self, cfg: ModelConfig, attention_fn, max_positions: int, layer_ops=TorchLayerOps):
+    def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn, max_positions: int,
+                 layer_ops: type[LayerOps] = TorchLayerOps):
         super().__init__()
         self.config = cfg
         self.layer_ops = layer_ops

@@ -17,17 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from iterserve.kernels.cpu_layer_ops import CpuLayerOps
+from iterserve.kernels.layer_ops import AttentionFn, LayerOps
 from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.config import ATTENTION_BACKENDS
-from iterserve.server.engine.sampling_params import InvalidRequestError
+from iterserve.server.errors import InvalidRequestError
 from iterserve.server.runner.step_inputs import build_torch_metadata
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    attention_fn: Callable
-    layer_ops: object
+    attention_fn: AttentionFn
+    layer_ops: type[LayerOps]
     build_metadata: Callable  # (StepLayout, device) -> the metadata attention_fn reads
 
 

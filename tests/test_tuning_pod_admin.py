@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.operator.tuning.act import PodCallError, get_scheduler, patch_scheduler
-from tests.server_support import add_tiny_tokenizer, free_port, metric_value, start_subprocess
+from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler, patch_scheduler
+from tests.server_support import free_port, metric_value, start_subprocess
 
 TOKEN = "admin-secret-for-tests"
 
 
 @pytest.fixture(scope="module")
-def pod(tiny_llama, tmp_path_factory):
-    model = add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
+def pod(tiny_dir):
+    model = tiny_dir
     proc, url = start_subprocess("--model", model, "--kv-cache-memory", "8MiB", "--threads", "1",
                                  "--max-num-seqs", "4", "--admin-token", TOKEN)
     yield url

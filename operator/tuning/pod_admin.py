@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import httpx
 
-KNOB_NAMES = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
+from iterserve.common.wire import ADMIN_SCHEDULER_PATH, KNOB_NAMES
+
 
 
 class PodCallError(Exception):
@@ -39,7 +40,7 @@ def patch_scheduler(base_url: str, admin_token: str, knobs: dict[str, int], time
 
 
 def _call(method: str, base_url: str, admin_token: str, body: dict | None, timeout: float) -> dict:
-    url = base_url.rstrip("/") + "/admin/scheduler"
+    url = base_url.rstrip("/") + ADMIN_SCHEDULER_PATH
     try:
         response = httpx.request(method, url, json=body, timeout=timeout,
                                  headers={"Authorization": f"Bearer {admin_token}"})

@@ -1,0 +1,62 @@
+"""What the server and the operator must agree on, spelled once: the live knobs (names in both
+spellings, defaults, limit), the ports, the env vars the pods read, the admin path and the metric names
+the tuner reads. Standard library only, so each side imports it without the other's dependencies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HTTP_PORT = 8000  # OpenAI API, /metrics, /health, /ready
+ADMIN_PORT = 8001  # /admin/* alone on the operator's pods (`iterserve serve --admin-port`)
+ADMIN_SCHEDULER_PATH = "/admin/scheduler"  # GET the live knobs, PATCH some of them
+
+# secrets the server reads from its environment when the flag is not given
+API_KEY_ENV = "ITERSERVE_API_KEY"
+ADMIN_TOKEN_ENV = "ITERSERVE_ADMIN_TOKEN"
+
+KNOB_LIMIT = 2**20  # every knob's upper bound: far above any useful value, it keeps a typo out of the scheduler
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One live scheduler knob: the server's snake_case name (flag, PATCH field, env var stem), the
+    LLMService's camelCase one, and its default."""
+
+    name: str
+    camel: str
+    default: int
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        """The env var the operator's pods expand into the knob's flag (`$(VAR)`), from the knobs' ConfigMap."""
+        return "ITERSERVE_" + self.name.upper()
+
+
+KNOBS = (
+    Knob("max_num_seqs", "maxNumSeqs", 64, "most requests in the running batch"),
+    Knob("max_num_batched_tokens", "maxNumBatchedTokens", 512, "token budget of one step (decodes count 1 each)"),
+    Knob("prefill_chunk_size", "prefillChunkSize", 256,
+         "most prompt tokens computed in one step, all requests together"),
+)
+KNOB_NAMES = tuple(k.name for k in KNOBS)
+KNOB_DEFAULTS = {k.name: k.default for k in KNOBS}
+KNOB_CAMEL = {k.name: k.camel for k in KNOBS}
+
+# The metrics the tuner reads from each pod's /metrics (or Prometheus), as the server exports them
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+REQUESTS = "vllm:request_success_total"  # every finished request, summed over finished_reason
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
+STEP_FAILURES = "iterserve:engine_step_failures_total"  # each failed step answered its requests with a 500
+HTTP_RESPONSES = "iterserve:http_responses_total"  # by route and code; the tuner reads only the 5xx series
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
