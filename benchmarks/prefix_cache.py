@@ -4,7 +4,7 @@ resending their history), same seeded load, same machine.
 
     python benchmarks/prefix_cache.py [--repeats 2] [--requests 24] [--concurrency 4] [--prefix-len 1024]
                                       [--num-prefixes 2] [--num-turns 4] [--max-model-len 2048] [--threads 2]
-                                      [--vllm-configs eager] [--out F.json]
+                                      [--vllm-configs eager,compiled] [--out F.json]
 
 Each round starts each server in turn (iterserve on, iterserve off, every vLLM configuration: A B C A B
 C), runs both workloads against it, one after the other, and stops it, so no idle server shares the CPU
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--num-turns", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--vllm-configs", default="eager", help=f"comma list of {','.join(VLLM_SERVED_CONFIGS)}; "
+    ap.add_argument("--vllm-configs", default=",".join(VLLM_SERVED_CONFIGS), help=f"comma list of {','.join(VLLM_SERVED_CONFIGS)}; "
                                                               "empty: no vLLM")
     ap.add_argument("--out", help="write every run's summaries to this JSON file")
     args = ap.parse_args()
