@@ -73,7 +73,7 @@ MALFORMED: list[tuple[str, object]] = [
     ("stream_options wrong type", {**_VALID, "stream": True, "stream_options": "usage"}),
     ("stream_options unknown field", {**_VALID, "stream": True, "stream_options": {"nope": 1}}),
     ("unknown field", {**_VALID, "bogus": 1}),
-    ("unsupported penalty", {**_VALID, "frequency_penalty": 1.0}),
+    ("penalty out of range", {**_VALID, "frequency_penalty": 2.5}),
     ("echo", {**_VALID, "echo": True}),
     ("priority huge", {**_VALID, "priority": 2**40}),
     ("logprobs negative", {**_VALID, "logprobs": -1}),
