@@ -34,10 +34,11 @@ from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.entrypoints.llm import LLM
 
 
-def run_iterserve(workload, model_dir: Path, policy: str, max_num_seqs: int, threads: int) -> dict:
+def run_iterserve(workload, model_dir: Path, policy: str, max_num_seqs: int, threads: int,
+                  dtype: str = "float32") -> dict:
     """Generated tok/s of one policy, start-up excluded; also returns the prompt lengths it saw."""
     t0 = time.perf_counter()
-    llm = LLM(config=EngineConfig(model=str(model_dir), dtype="float32", policy=policy,
+    llm = LLM(config=EngineConfig(model=str(model_dir), dtype=dtype, policy=policy,
                                   max_num_seqs=max_num_seqs, num_threads=threads, kv_cache_memory="2GiB"))
     startup = time.perf_counter() - t0
     params = [SamplingParams(max_tokens=w.max_tokens, temperature=0, ignore_eos=True) for w in workload]
@@ -51,6 +52,7 @@ def run_iterserve(workload, model_dir: Path, policy: str, max_num_seqs: int, thr
     stats = llm.engine.stats
     return {
         "engine": f"iterserve-{policy}",
+        "dtype": str(llm.engine.model_runner.dtype).removeprefix("torch."),
         "max_num_seqs": max_num_seqs,
         "num_requests": len(outputs),
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),

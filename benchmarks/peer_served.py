@@ -2,12 +2,14 @@
 
     python benchmarks/peer_served.py [--repeats 2] [--requests 120] [--concurrency 16] [--seed 3]
                                      [--workload mixed] [--max-model-len 2048] [--threads 2]
+                                     [--dtype auto|float32|bfloat16]
                                      [--vllm-configs eager,compiled] [--c1-requests 16] [--out F.json]
 
 Each round starts each server in turn (iterserve, then every vLLM configuration: A B C A B C), runs the
 same seeded `iterserve bench` load against it (a closed loop at --concurrency, then --c1-requests at
 concurrency 1 for the single-stream TPOT), and stops it, so no idle server shares the CPU with a
-measured one. Both run with the same max_model_len, fp32 and --threads cores. Printed: every run, then
+measured one. Both run with the same max_model_len, --dtype (auto, the default: each engine's own
+choice, bf16 for both on a CPU with native bf16) and --threads cores. Printed: every run, then
 medians over the rounds of output tok/s, TTFT and TPOT p50/p99, and iterserve's ratios to vLLM's best
 configuration (the one with the highest median output tok/s).
 
@@ -50,16 +52,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(name: str, model_dir: Path, port: int, max_model_len: int, threads: int,
+def server_command(name: str, model_dir: Path, port: int, max_model_len: int, threads: int, dtype: str,
                    iterserve_args: list[str], vllm_args: list[str] = ()) -> tuple[list[str], dict]:
     if name == "iterserve":
         cmd = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "serve", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-               "--threads", str(threads), "--dtype", "float32", *iterserve_args]
+               "--threads", str(threads), "--dtype", dtype, *iterserve_args]
         return cmd, dict(os.environ)
     flags = VLLM_SERVED_CONFIGS[name.removeprefix("vllm ")]
     cmd = [str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len",
            str(max_model_len), *flags, *vllm_args]
     return cmd, vllm_env(threads)
 
@@ -68,10 +70,11 @@ class Server:
     """One server process in its own session (vLLM forks an engine core), stopped with its children."""
 
     def __init__(self, name: str, model_dir: Path, max_model_len: int, threads: int, log_dir: Path,
-                 iterserve_args: list[str], vllm_args: list[str] = ()):
+                 iterserve_args: list[str], vllm_args: list[str] = (), dtype: str = "auto"):
         self.name, self.port = name, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd, env = server_command(name, model_dir, self.port, max_model_len, threads, iterserve_args, vllm_args)
+        cmd, env = server_command(name, model_dir, self.port, max_model_len, threads, dtype, iterserve_args,
+                                  vllm_args)
         self.log = log_dir / f"{name.replace(' ', '-')}-{self.port}.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -104,7 +107,8 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def measure(name: str, args, model_dir: Path, log_dir: Path) -> dict:
-    server = Server(name, model_dir, args.max_model_len, args.threads, log_dir, args.iterserve_args.split())
+    server = Server(name, model_dir, args.max_model_len, args.threads, log_dir, args.iterserve_args.split(),
+                    dtype=args.dtype)
     try:
         startup = server.wait_ready()
         workload = WorkloadSpec(args.workload, seed=args.seed)
@@ -134,6 +138,8 @@ def main() -> None:
     ap.add_argument("--workload", default="mixed", choices=[s for s in SHAPES if s != "jsonl"])
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="both servers' --dtype; auto: each engine's own default")
     ap.add_argument("--vllm-configs", default=",".join(VLLM_SERVED_CONFIGS), help="comma list; empty: none")
     ap.add_argument("--iterserve-args", default="", help="extra `iterserve serve` flags, e.g. knobs")
     ap.add_argument("--out", help="write every run's summaries to this JSON file")
@@ -146,7 +152,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     print(f"{args.workload} workload, seed {args.seed}: {args.requests} requests at concurrency "
           f"{args.concurrency}, then {args.c1_requests} at concurrency 1; max_model_len {args.max_model_len}, "
-          f"fp32, {args.threads} threads", flush=True)
+          f"dtype {args.dtype}, {args.threads} threads", flush=True)
     with tempfile.TemporaryDirectory(prefix="iterserve-peer-served-") as tmp:
         for round_no in range(1, args.repeats + 1):
             for name in names:

@@ -1,11 +1,14 @@
 """Offline throughput of iterserve against vLLM's CPU build at every configuration a vLLM user would try.
 
     python benchmarks/peer_vllm.py [--install] [--workload project|mixed] [--repeats 2] [--threads 2]
+                                   [--dtype auto|float32|bfloat16]
                                    [--configs defaults,eager,matched-len,eager+matched-len] [--out F.json]
 
 vLLM's configurations: its defaults (compiled, max_model_len from the model: 8192), `enforce_eager`,
 max_model_len matched to the workload (the longest prompt + output rounded up to a power of two), and
-both. Each round runs iterserve, then every vLLM configuration, one after the other (A B C ... A B C),
+both. `--dtype` applies to both engines: `auto` (the default) is each engine's own choice, which on a
+CPU with native bf16 (AVX-512 BF16, AMX) is bf16 for both, and vLLM picks it even for a float32
+checkpoint; `float32` compares them at full precision. The dtype each side ran is printed. Each round runs iterserve, then every vLLM configuration, one after the other (A B C ... A B C),
 and the figures quoted are medians over the rounds. The ratio divides iterserve by vLLM's BEST
 configuration. Start-up is excluded on both sides, and both do one short warm-up generate first.
 
@@ -72,10 +75,12 @@ def matched_len(prompt_lens: list[int], max_tokens: list[int]) -> int:
     return max(256, 1 << (longest - 1).bit_length())
 
 
-def vllm_configs(match_len: int) -> dict[str, dict]:
-    """The engine kwargs of each configuration a vLLM user would try."""
-    return {"defaults": {}, "eager": {"enforce_eager": True}, "matched-len": {"max_model_len": match_len},
-            "eager+matched-len": {"enforce_eager": True, "max_model_len": match_len}}
+def vllm_configs(match_len: int, dtype: str = "auto") -> dict[str, dict]:
+    """The engine kwargs of each configuration a vLLM user would try, at `dtype` (auto: vLLM's own)."""
+    base = {} if dtype == "auto" else {"dtype": dtype}
+    return {"defaults": base, "eager": {**base, "enforce_eager": True},
+            "matched-len": {**base, "max_model_len": match_len},
+            "eager+matched-len": {**base, "enforce_eager": True, "max_model_len": match_len}}
 
 
 def run_vllm(workload, model_dir, engine_kwargs: dict | None = None, threads: int = 2,
@@ -124,6 +129,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="iterserve's batch cap")
     ap.add_argument("--configs", default=",".join(CONFIG_NAMES), help="vLLM configurations to run")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="both engines' dtype; auto: each engine's own default")
     ap.add_argument("--out", help="write every run's figures to this JSON file")
     args = ap.parse_args()
     if args.install:
@@ -138,7 +145,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_lens = [len(tokenizer(w.prompt)["input_ids"]) for w in workload]
     match = matched_len(prompt_lens, [w.max_tokens for w in workload])
-    configs = {name: kw for name, kw in vllm_configs(match).items() if name in args.configs.split(",")}
+    configs = {name: kw for name, kw in vllm_configs(match, args.dtype).items() if name in args.configs.split(",")}
     print(f"workload {args.workload}: {len(workload)} requests, {sum(prompt_lens)} prompt tokens, "
           f"{sum(w.max_tokens for w in workload)} to generate; threads {args.threads}; "
           f"matched max_model_len {match}", flush=True)
@@ -147,11 +154,11 @@ def main() -> None:
     for round_no in range(1, args.repeats + 1):
         for key in runs:
             if key == "iterserve":
-                r = run_iterserve(workload, model_dir, "continuous", args.max_num_seqs, args.threads)
+                r = run_iterserve(workload, model_dir, "continuous", args.max_num_seqs, args.threads, args.dtype)
             else:
                 r = run_vllm(workload, model_dir, configs[key.removeprefix("vllm ")], args.threads)
             runs[key].append(r)
-            print(f"  round {round_no}  {key:<24} {r['generated_tok_per_s']:8.1f} gen tok/s  "
+            print(f"  round {round_no}  {key:<24} {r['dtype']:<9} {r['generated_tok_per_s']:8.1f} gen tok/s  "
                   f"({r['generated_tokens']} tokens in {r['seconds']:.1f} s; start-up {r['startup_s']:.0f} s)",
                   flush=True)
 
@@ -163,7 +170,7 @@ def main() -> None:
     print(f"  iterserve / vLLM best: {medians['iterserve'] / medians[best_vllm]:.2f}x  (target >= 1.25x)")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "workload": args.workload, "threads": args.threads, "matched_max_model_len": match,
+            "workload": args.workload, "threads": args.threads, "matched_max_model_len": match, "dtype": args.dtype,
             "date": time.strftime("%Y-%m-%d"), "medians": medians, "best_vllm": best_vllm,
             "runs": {k: [{x: v for x, v in r.items() if x != "prompt_lens"} for r in rs] for k, rs in runs.items()},
         }, indent=2))

@@ -4,7 +4,8 @@ resending their history), same seeded load, same machine.
 
     python benchmarks/prefix_cache.py [--repeats 2] [--requests 24] [--concurrency 4] [--prefix-len 1024]
                                       [--num-prefixes 2] [--num-turns 4] [--max-model-len 2048] [--threads 2]
-                                      [--vllm-configs eager,compiled] [--out F.json]
+                                      [--dtype auto|float32|bfloat16] [--vllm-configs eager,compiled]
+                                      [--out F.json]
 
 Each round starts each server in turn (iterserve on, iterserve off, every vLLM configuration: A B C A B
 C), runs both workloads against it, one after the other, and stops it, so no idle server shares the CPU
@@ -70,10 +71,10 @@ def theoretical_hit_rate(shape: str, args) -> float:
 def measure(name: str, args, model_dir: Path, log_dir: Path) -> dict:
     if name.startswith("iterserve"):
         extra = ["--no-enable-prefix-caching"] if name == "iterserve off" else ["--enable-prefix-caching"]
-        server = Server("iterserve", model_dir, args.max_model_len, args.threads, log_dir, extra)
+        server = Server("iterserve", model_dir, args.max_model_len, args.threads, log_dir, extra, dtype=args.dtype)
     else:
         server = Server(name, model_dir, args.max_model_len, args.threads, log_dir, [],
-                        vllm_args=["--enable-prefix-caching"])
+                        vllm_args=["--enable-prefix-caching"], dtype=args.dtype)
     results = {}
     try:
         server.wait_ready()
@@ -102,6 +103,8 @@ def main() -> None:
     ap.add_argument("--num-turns", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="both servers' --dtype; auto: each engine's own default (bf16 on CPUs with native bf16)")
     ap.add_argument("--vllm-configs", default=",".join(VLLM_SERVED_CONFIGS), help=f"comma list of {','.join(VLLM_SERVED_CONFIGS)}; "
                                                               "empty: no vLLM")
     ap.add_argument("--out", help="write every run's summaries to this JSON file")
@@ -116,7 +119,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     print(f"{args.requests} requests per workload at concurrency {args.concurrency}; prefix {args.prefix_len} "
           f"tokens, {args.num_prefixes} prefixes, {args.num_turns} turns; seed {args.seed}; max_model_len "
-          f"{args.max_model_len}, fp32, {args.threads} threads", flush=True)
+          f"{args.max_model_len}, dtype {args.dtype}, {args.threads} threads", flush=True)
     with tempfile.TemporaryDirectory(prefix="iterserve-prefix-cache-") as tmp:
         for round_no in range(1, args.repeats + 1):
             for name in names:

@@ -20,7 +20,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF model dir or .gguf file; None serves the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # prompt + output limit; default: the model's context length
     block_size: int = 16  # tokens per KV block

@@ -65,6 +65,9 @@ def tiny_model(request):
 
 def make_engine(model_path: str, **options):
     options.setdefault("kv_cache_memory", "8MiB")
+    # fp32 unless a test asks otherwise: the outputs are compared with HF's fp32 token for token, and
+    # "auto" is bf16 on CPUs with native bf16 (tests/test_bf16.py covers that path)
+    options.setdefault("dtype", "float32")
     return build_engine(EngineConfig(model=model_path, **options))
 
 

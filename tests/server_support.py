@@ -67,6 +67,7 @@ class InProcessServer:
         from iterserve.server.entrypoints.serve_cmd import build_server_state, make_uvicorn_server
 
         engine_options.setdefault("kv_cache_memory", "8MiB")
+        engine_options.setdefault("dtype", "float32")  # as tests/conftest.py's make_engine, for the same reason
         self.engine = EngineClient(EngineConfig(model=model, **engine_options), in_process=core_in_process)
         self.engine.start()
         self.core = self.engine.core

@@ -1,11 +1,12 @@
 """The oneDNN packed-weight linear (server/model/cpu_linear.py) against F.linear, on both sides of
-its row threshold, and its wiring into the model and the model runner on CPU fp32."""
+its row threshold, and its wiring into the model and the model runner on CPU fp32 (and bf16 where the
+CPU has it natively)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from iterserve.server.model.cpu_linear import MIN_ROWS, PackedLinear, onednn_packing_supported
+from iterserve.server.model.cpu_linear import MIN_ROWS, PackedLinear, cpu_has_native_bf16, onednn_packing_supported
 
 pytestmark = pytest.mark.skipif(not onednn_packing_supported(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN")
@@ -88,9 +89,26 @@ def test_packing_the_model_keeps_its_logits_and_projections(rows):
     assert model.embed_tokens.weight.shape == (100, 32)  # the tied LM head's weight is never released
 
 
-@pytest.mark.parametrize("dtype,packed", [(torch.float32, True), (torch.bfloat16, False)])
-def test_runner_packs_only_on_cpu_fp32(dtype, packed):
+@pytest.mark.parametrize("dtype,packed", [(torch.float32, True), (torch.bfloat16, cpu_has_native_bf16()),
+                                          (torch.float16, False)])
+def test_runner_packs_on_cpu_fp32_and_on_native_bf16(dtype, packed):
     from iterserve.server.runner.model_runner import ModelRunner
 
     runner = ModelRunner(_tiny_config(), None, torch.device("cpu"), dtype, max_model_len=64, block_size=16)
     assert (runner.model.packed_lm_head is not None) == packed
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 weights are packed only where the CPU has bf16")
+@pytest.mark.parametrize("rows", [1, 17, 64])
+def test_packed_bf16_linear_matches_f_linear_in_fp32_within_bf16_rounding(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(rows, 40, generator=gen).bfloat16()
+    linear = PackedLinear(weight, bias)
+    assert linear.min_rows == 1
+    out = linear(x)
+    assert out.dtype == torch.bfloat16
+    # oneDNN accumulates in fp32 and rounds once: within one bf16 step (2^-8 relative) of the exact sum
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-2)

@@ -16,6 +16,7 @@ from iterserve.server.config import EngineConfig, parse_memory
 from iterserve.server.engine.core import EngineCore
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.errors import InvalidRequestError
+from iterserve.server.model.cpu_linear import cpu_has_native_bf16
 from iterserve.server.model.loader import load_model
 from iterserve.server.runner.backends import resolve_backend_name
 from iterserve.server.runner.model_runner import ModelRunner
@@ -38,9 +39,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA and on CPUs that multiply bf16 natively (AVX-512 BF16, AMX), as vLLM does;
+    fp32 on other CPUs, where bf16 matmuls are emulated and several times slower than fp32."""
     if name == "auto":
-        # bf16 matmuls are several times slower than fp32 on CPUs without AMX/AVX-512 BF16
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     return _DTYPES[name]
 
 

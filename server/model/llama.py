@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
         # module between devices and dtypes cannot untie it.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # set by pack_linears(), on the CPU fp32 path only, once the model will not move any more
+        # set by pack_linears(), on the CPU only (see cpu_linear.py), once the model will not move any more
         self.packed_lm_head: PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden)
+            return self.packed_lm_head(hidden).float()
         return F.linear(hidden, self._lm_head_weight()).float()
 
     def _lm_head_weight(self) -> torch.Tensor:
@@ -130,8 +130,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def pack_linears(self) -> None:
-        """Run the LM head and every projection through oneDNN packed weights (fp32 CPU only; see
-        server/model/cpu_linear.py). Call after the weights are loaded: the packed copies are made now.
+        """Run the LM head and every projection through oneDNN packed weights (CPU fp32, and bf16 where
+        the CPU has it natively; see server/model/cpu_linear.py). Call after the weights are loaded: the packed copies are made now.
         The LM head may share the embedding's weight, so only the projections give their unpacked
         copies back."""
         self.packed_lm_head = PackedLinear(self._lm_head_weight())

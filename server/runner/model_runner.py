@@ -51,7 +51,7 @@ class ModelRunner:
             model.pack_linears()
         # which C++ CPU kernels serve (the torch path stands in for a missing one); empty where none applies
         self.cpu_kernels: dict[str, bool] = {}
-        if self.backend.name == "torch" and device.type == "cpu" and dtype == torch.float32:
+        if self.backend.name == "torch" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             # their one-time builds happen at start-up, not in a request's step
             self.cpu_kernels = {"paged_attention": cpu_paged_attention.available(),
                                 "layer_ops": cpu_layer_ops.available()}
