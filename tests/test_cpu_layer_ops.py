@@ -1,5 +1,6 @@
-"""The C++ CPU layer ops (CpuLayerOps) against TorchLayerOps: each op at odd shapes, which inputs they
-write, the ITERSERVE_CPU_LAYER_OPS kill switch and the other fallbacks, and a whole model either way."""
+"""The C++ CPU layer ops (CpuLayerOps) against TorchLayerOps: each op at odd shapes in float32 and
+bfloat16, which inputs they write, the ITERSERVE_CPU_LAYER_OPS kill switch and the other fallbacks, and a
+whole model either way."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from iterserve.server.model.rope import RotaryEmbedding
 from iterserve.server.runner.step_inputs import StepLayout, build_torch_metadata
 
 RTOL, ATOL = 1e-5, 1e-6
+# bf16 outputs against an fp32 reference computed from the same bf16 inputs: the kernels compute in fp32
+# and round once, which is within half a bf16 ulp (2^-9 relative); one ulp leaves room for the fp32
+# differences (exp's ~2 ulp, summation order) tipping a value across a rounding boundary.
+BF16_RTOL, BF16_ATOL = 2**-8, 1e-6
 
 
 @pytest.fixture
@@ -84,6 +89,44 @@ def test_add_rms_norm_reads_strided_rows(kernel):
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
 
 
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x.float(), weight.shape, weight.float(), eps)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("hidden", [36, 64, 576])
+@pytest.mark.parametrize("rows", [1, 8, 64, 0])
+def test_add_rms_norm_bf16(kernel, rows, hidden, with_residual, weight_dtype):
+    gen = torch.Generator().manual_seed(rows * 1000 + hidden)
+    norm = _norm(hidden, gen).to(weight_dtype)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).bfloat16()
+    residual = torch.randn(rows, hidden, generator=gen).bfloat16() if with_residual else None
+    x_before = x.clone()
+    # torch's bf16 add rounds the fp32 sum once, as the kernel does: bit-equal
+    expected_sum = x + residual if with_residual else x.clone()
+    out, summed = CpuLayerOps.add_rms_norm(norm, x, residual)
+    assert torch.equal(x, x_before)  # x is only read
+    assert summed is (residual if with_residual else x)  # the stream, written in place
+    assert summed.dtype == torch.bfloat16 and torch.equal(summed, expected_sum)
+    assert out.shape == (rows, hidden) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _rms_norm_fp32(expected_sum, norm.weight, norm.eps),
+                               atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+def test_add_rms_norm_bf16_reads_strided_rows(kernel):
+    gen = torch.Generator().manual_seed(8)
+    norm = _norm(576, gen).bfloat16()
+    x = torch.randn(5, 600, generator=gen).bfloat16()[:, :576]
+    residual = torch.randn(5, 590, generator=gen).bfloat16()[:, 10:586]
+    backing = residual._base
+    expected_sum = x + residual
+    out, summed = CpuLayerOps.add_rms_norm(norm, x, residual)
+    assert torch.equal(summed, expected_sum) and torch.equal(backing[:, 10:586], expected_sum)
+    torch.testing.assert_close(out.float(), _rms_norm_fp32(expected_sum, norm.weight, norm.eps),
+                               atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
 def _qkv(num_tokens: int, heads: int, kv_heads: int, head_dim: int, gen: torch.Generator):
     """qkv as the fused projection leaves it, and qk: the q and k heads viewed inside its rows."""
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
@@ -107,6 +150,25 @@ def test_rotary_rotates_q_and_k_in_place(kernel, heads, kv_heads, head_dim, num_
     assert CpuLayerOps.rotary(rope, positions, qk) is qk
     # no fused multiply-adds: each product and the sum round as torch's separate ops do
     torch.testing.assert_close(qk, expected, atol=0, rtol=0)
+    v_cols = (heads + kv_heads) * head_dim
+    assert torch.equal(qkv[:, v_cols:], before[:, v_cols:])  # v is untouched
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (9, 3, 32), (2, 1, 8)])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 0])
+def test_rotary_bf16_rotates_q_and_k_in_place(kernel, heads, kv_heads, head_dim, num_tokens):
+    cfg = _config(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    rope = RotaryEmbedding(cfg, 512)  # cos/sin stay fp32, as the model keeps them
+    gen = torch.Generator().manual_seed(num_tokens + head_dim)
+    qkv, _ = _qkv(num_tokens, heads, kv_heads, head_dim, gen)
+    qkv = qkv.bfloat16()
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)  # strided rows
+    before = qkv.clone()
+    positions = torch.randint(0, 512, (num_tokens,), generator=gen)
+    expected = TorchLayerOps.rotary(rope, positions, qk.float())  # fp32 from the same bf16 inputs
+    assert CpuLayerOps.rotary(rope, positions, qk) is qk
+    assert qk.dtype == torch.bfloat16
+    torch.testing.assert_close(qk.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
     v_cols = (heads + kv_heads) * head_dim
     assert torch.equal(qkv[:, v_cols:], before[:, v_cols:])  # v is untouched
 
@@ -148,6 +210,44 @@ def test_silu_mul_extremes(kernel):
     torch.testing.assert_close(out, TorchLayerOps.silu_mul(gate_up), atol=1e-30, rtol=RTOL, equal_nan=True)
 
 
+@pytest.mark.parametrize("d", [1, 36, 64, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 8, 64, 0])
+def test_silu_mul_bf16(kernel, rows, d):
+    gen = torch.Generator().manual_seed(rows + d)
+    gate_up = (torch.randn(rows, 2 * d, generator=gen) * 6).bfloat16()
+    before = gate_up.clone()
+    out = CpuLayerOps.silu_mul(gate_up)
+    assert out.shape == (rows, d) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), TorchLayerOps.silu_mul(gate_up.float()), atol=BF16_ATOL,
+                               rtol=BF16_RTOL)
+    assert torch.equal(gate_up, before)
+
+
+def test_silu_mul_bf16_extremes(kernel):
+    gate = torch.tensor([-1e4, -100.0, -88.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.0, 100.0, 1e4,
+                         float("inf"), float("nan")])
+    gate_up = torch.cat([gate, torch.full_like(gate, 1.5)])[None, :].bfloat16()
+    out = CpuLayerOps.silu_mul(gate_up)
+    torch.testing.assert_close(out.float(), TorchLayerOps.silu_mul(gate_up.float()), atol=1e-30, rtol=BF16_RTOL,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_kernels_refuse_other_dtypes(kernel, dtype):
+    module = cpu_layer_ops._extension.module
+    x = torch.randn(2, 8, dtype=dtype)
+    with pytest.raises(RuntimeError, match="expected float32 or bfloat16"):
+        module.silu_and_mul(x)
+    with pytest.raises(RuntimeError, match="expected float32 or bfloat16"):
+        module.add_rms_norm(x, None, torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="differs from x's"):
+        module.add_rms_norm(x.float(), x.bfloat16(), torch.ones(8), 1e-5)
+    rope = RotaryEmbedding(_config(head_dim=8), 16)
+    with pytest.raises(RuntimeError, match="cos_cache: expected float32"):
+        module.rotary(torch.randn(2, 1, 8).bfloat16(), torch.tensor([0, 1]), rope.cos_cache.bfloat16(),
+                      rope.sin_cache.bfloat16())
+
+
 def _call_all(dtype: torch.dtype):
     """Every op on inputs of `dtype`, with what TorchLayerOps returns for them (on copies)."""
     gen = torch.Generator().manual_seed(3)
@@ -164,15 +264,30 @@ def _call_all(dtype: torch.dtype):
     return got, expected
 
 
-def test_kill_switch_takes_the_torch_path(monkeypatch, refuse_kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kill_switch_takes_the_torch_path(monkeypatch, refuse_kernel, dtype):
     monkeypatch.setenv(cpu_layer_ops.ENV_VAR, "torch")
     assert not cpu_layer_ops.available()
-    got, expected = _call_all(torch.float32)
+    got, expected = _call_all(dtype)
     for g, e in zip(got, expected):
-        assert torch.equal(g, e)
+        assert g.dtype == dtype and torch.equal(g, e)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_mixed_dtypes_take_the_torch_path(monkeypatch, refuse_kernel):
+    """bf16 x with an fp32 residual, an fp16 norm weight, bf16 cos/sin caches: not what the kernels take."""
+    monkeypatch.delenv(cpu_layer_ops.ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 64, generator=gen).bfloat16()
+    norm = _norm(64, gen)
+    out, summed = CpuLayerOps.add_rms_norm(norm, x, torch.randn(4, 64, generator=gen))
+    assert summed.dtype == torch.float32
+    CpuLayerOps.add_rms_norm(norm.half(), x, None)
+    rope = RotaryEmbedding(_config(head_dim=32), 64).bfloat16()
+    _, qk = _qkv(4, 9, 3, 32, gen)
+    CpuLayerOps.rotary(rope, torch.tensor([3, 1, 4, 1]), qk.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 def test_other_dtypes_take_the_torch_path(monkeypatch, refuse_kernel, dtype):
     monkeypatch.delenv(cpu_layer_ops.ENV_VAR, raising=False)
     assert cpu_layer_ops.available()
