@@ -11,12 +11,7 @@ from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata, SingleQueryGroup
 from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.runner.step_inputs import _groups_by_context
-
-
-# bf16 output against the float64 reference from the same bf16 inputs: the kernel computes in fp32 and
-# rounds once, within half a bf16 ulp (2^-9 relative); one ulp leaves room for fp32's own error tipping a
-# value across a rounding boundary, and atol for outputs near zero (a mean of many V rows).
-BF16_RTOL, BF16_ATOL = 2**-8, 1e-5
+from tests.bf16_support import assert_rounded_once_to_bf16
 
 
 @pytest.fixture
@@ -92,7 +87,7 @@ def test_kernel_bf16_matches_per_request_reference(kernel, block_size, group, he
     out = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, ctx, block_size, scale)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     expected = _reference(q, k_cache, v_cache, tables, ctx, block_size, scale)
-    torch.testing.assert_close(out.double(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
+    assert_rounded_once_to_bf16(out, expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # whole requests per item, or one KV head per item
@@ -105,8 +100,7 @@ def test_kernel_bf16_single_request(kernel, n, threads):
         out = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 16, 0.125)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, ctx, 16, 0.125),
-                               atol=BF16_ATOL, rtol=BF16_RTOL)
+    assert_rounded_once_to_bf16(out, _reference(q, k_cache, v_cache, tables, ctx, 16, 0.125), atol=1e-5)
 
 
 def test_kernel_bf16_reads_a_non_contiguous_q(kernel):
@@ -185,7 +179,7 @@ def test_paged_attention_bf16_kernel_and_torch_path(kernel, monkeypatch, block_s
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])  # same writes
     expected = _reference(q, *caches[0], tables, ctx, block_size, 0.125)
     assert outs[0].dtype == outs[1].dtype == torch.bfloat16
-    torch.testing.assert_close(outs[0].double(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
+    assert_rounded_once_to_bf16(outs[0], expected, atol=1e-5)
     torch.testing.assert_close(outs[1].double(), expected, atol=1e-2, rtol=1e-2)
 
 
