@@ -33,22 +33,22 @@ inline float load(bf16 x) {
   return f;
 }
 
-inline void store(float* p, float x) { *p = x; }
-// Round to nearest even; a NaN becomes the canonical quiet NaN (rounding could carry it into infinity).
-inline void store(bf16* p, float x) {
+// x in T. For bf16: round to nearest even; a NaN becomes the canonical quiet NaN (rounding could carry
+// it into infinity).
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline bf16 from_float<bf16>(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  p->bits = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+  return bf16{static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded)};
 }
 
-// x as it reads back after a store to T: the value the next op sees, e.g. the residual stream.
 template <typename T>
-inline float rounded(float x) {
-  T t;
-  store(&t, x);
-  return load(t);
-}
+inline void store(T* p, float x) { *p = from_float<T>(x); }
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
