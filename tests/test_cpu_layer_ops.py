@@ -246,6 +246,20 @@ def _step(done: list[int], new: list[list[int]], tables: np.ndarray, block_size:
     return torch.tensor(layout.input_ids), torch.from_numpy(positions), meta
 
 
+def _model_steps(cfg: ModelConfig):
+    """Four prompts prefilled in one step, then three decode steps: (block_size, block tables, one KV
+    cache's shape, the steps as (tokens done, new tokens) per request)."""
+    block_size, lens = 16, [23, 1, 40, 7]
+    # shuffled block ids, so a request's blocks are neither contiguous nor increasing
+    tables = np.random.default_rng(0).permutation(4 * 8).reshape(4, 8).astype(np.int64)
+    shape = (4 * 8 * block_size, cfg.num_key_value_heads, cfg.head_dim)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
+    steps = [([0] * 4, prompts)] + [([n + i for n in lens], [[int(rng.integers(0, cfg.vocab_size))] for _ in lens])
+                                    for i in range(3)]
+    return block_size, tables, shape, steps
+
+
 @torch.inference_mode()
 def test_model_matches_torch_layer_ops(kernel):
     """Two prefill steps' worth of prompts, then decodes: hidden states and logits of the default
@@ -256,15 +270,8 @@ def test_model_matches_torch_layer_ops(kernel):
         model = LlamaForCausalLM(cfg, paged_attention, 256, ops).eval()
         model.init_dummy_weights(seed=0)
         models.append(model)
-    block_size, lens = 16, [23, 1, 40, 7]
-    # shuffled block ids, so a request's blocks are neither contiguous nor increasing
-    tables = np.random.default_rng(0).permutation(4 * 8).reshape(4, 8).astype(np.int64)
-    shape = (4 * 8 * block_size, cfg.num_key_value_heads, cfg.head_dim)
+    block_size, tables, shape, steps = _model_steps(cfg)
     caches = [[(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)] for _ in models]
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
-    steps = [([0] * 4, prompts)] + [([n + i for n in lens], [[int(rng.integers(0, cfg.vocab_size))] for _ in lens])
-                                    for i in range(3)]
     for done, new in steps:
         ids, positions, meta = _step(done, new, tables, block_size)
         hidden = [m(ids, positions, c, meta) for m, c in zip(models, caches)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.rope import RotaryEmbedding
 
 from tests.bf16_support import assert_rounded_once_to_bf16
-from tests.test_cpu_layer_ops import _config, _norm, _qkv, _step, kernel  # noqa: F401  (kernel: a fixture)
+from tests.test_cpu_layer_ops import _config, _model_steps, _norm, _qkv, _step, kernel  # noqa: F401  (kernel: a fixture)
 
 pytestmark = pytest.mark.usefixtures("kernel")  # each test skips when the kernels did not build
 
@@ -139,15 +138,9 @@ def test_model_bf16_is_as_close_to_fp32_as_torch_layer_ops(monkeypatch):
     for ext in (cpu_layer_ops._extension, cpu_paged_attention._extension):
         counted[ext.name] = _Counting(ext.module)
         monkeypatch.setattr(ext, "module", counted[ext.name])
-    block_size, lens = 16, [23, 1, 40, 7]
-    tables = np.random.default_rng(0).permutation(4 * 8).reshape(4, 8).astype(np.int64)
-    shape = (4 * 8 * block_size, cfg.num_key_value_heads, cfg.head_dim)
+    block_size, tables, shape, steps = _model_steps(cfg)
     caches = [[(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_hidden_layers)]
               for dtype in (torch.float32, torch.bfloat16, torch.bfloat16)]
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
-    steps = [([0] * 4, prompts)] + [([n + i for n in lens], [[int(rng.integers(0, cfg.vocab_size))] for _ in lens])
-                                    for i in range(3)]
     for done, new in steps:
         ids, positions, meta = _step(done, new, tables, block_size)
         expected, kernel_bf16, torch_bf16 = (m(ids, positions, c, meta) for m, c in zip(models, caches))
