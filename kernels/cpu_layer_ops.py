@@ -13,7 +13,11 @@ vLLM's fused_add_rms_norm does: it is the stream the layers hand on, which nothi
 new tensor is needed. `x`, a fresh matmul output, is only read.
 
 Built on first use by kernels/cpu_extension.py (cached per torch version and CPU; a failed build is
-logged once and leaves TorchLayerOps serving). CPU float32 only: other inputs take TorchLayerOps.
+logged once and leaves TorchLayerOps serving). CPU float32 and bfloat16 tensors are served: the
+arithmetic is fp32 either way, and a bf16 result is rounded once, on store, where torch's bf16 ops
+round after each op (so bf16 results are as close to fp32's or closer, not bit-equal to TorchLayerOps';
+the bf16 residual sum is). The RMSNorm weight may be fp32 or x's dtype; rotary's cos/sin caches must be
+fp32, as the model keeps them. Other dtypes and devices take TorchLayerOps.
 ITERSERVE_CPU_LAYER_OPS=torch forces TorchLayerOps without building anything: the A/B comparison and a
 kill switch, read on every call so it can be flipped in-process.
 """
@@ -46,25 +50,30 @@ def available() -> bool:
     return _extension.available()
 
 
+SERVED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _serves(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.is_cpu and _extension.available()
+    return t.dtype in SERVED_DTYPES and t.is_cpu and _extension.available()
 
 
 class CpuLayerOps:
-    """TorchLayerOps' interface, through the C++ kernels for CPU float32 inputs."""
+    """TorchLayerOps' interface, through the C++ kernels for CPU float32 and bfloat16 inputs."""
 
     @staticmethod
     def add_rms_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
         """(norm(x + residual), x + residual), the sum written into `residual`; without a residual,
-        (norm(x), x)."""
-        if not _serves(x) or (residual is not None and residual.dtype != torch.float32):
+        (norm(x), x). Served when x and residual share a served dtype and the weight is fp32 or that."""
+        if (not _serves(x) or (residual is not None and residual.dtype != x.dtype)
+                or norm.weight.dtype not in (torch.float32, x.dtype)):
             return TorchLayerOps.add_rms_norm(norm, x, residual)
         return _extension.module.add_rms_norm(x, residual, norm.weight, norm.eps)
 
     @staticmethod
     def rotary(rope: RotaryEmbedding, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        """Rotate qk ([num_tokens, heads, head_dim], head_dim contiguous) in place; returns it."""
-        if not _serves(qk):
+        """Rotate qk ([num_tokens, heads, head_dim], head_dim contiguous) in place; returns it. Served
+        when qk's dtype is and the cos/sin caches are fp32."""
+        if not _serves(qk) or rope.cos_cache.dtype != torch.float32 or rope.sin_cache.dtype != torch.float32:
             return TorchLayerOps.rotary(rope, positions, qk)
         _extension.module.rotary(qk, positions, rope.cos_cache, rope.sin_cache)
         return qk

@@ -8,8 +8,13 @@ in place instead: one pass over its K and V blocks, the GQA query heads of each 
 an fp32 online softmax; nothing is copied, padded or masked. `write_kv` puts the step's new K/V rows in
 their slots, in place of two `index_copy_` calls a layer.
 
+q and the caches are float32 or bfloat16, all of one dtype (`serves` says whether a call's are). A bf16
+cache is widened to fp32 as it is read, so it halves the bytes the kernel streams, which is most of its
+time; scores, softmax and accumulators are fp32 either way, and the output, in q's dtype, is rounded
+once. Other dtypes take the torch path.
+
 Built on first use by kernels/cpu_extension.py (cached per torch version and CPU; a failed build is
-logged once and leaves the torch path serving). float32 only: other dtypes take the torch path.
+logged once and leaves the torch path serving).
 
 ITERSERVE_CPU_ATTENTION=torch forces the torch path, without building anything: the A/B comparison
 against the kernel, and a kill switch. It is read on every call, so it can be flipped in-process.
@@ -35,6 +40,15 @@ def available() -> bool:
     return _extension.available()
 
 
+SERVED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def serves(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernels take this layer's q and cache: CPU, one served dtype, and `available()`."""
+    return (q.device.type == "cpu" and q.dtype in SERVED_DTYPES and k_cache.dtype == q.dtype
+            and k_cache.device.type == "cpu" and available())
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float) -> torch.Tensor:
@@ -42,8 +56,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q: [n, num_heads, head_dim]; k_cache, v_cache: [num_blocks * block_size, num_kv_heads, head_dim];
     block_tables: [n, width] block ids (columns past a context are never read); context_lens: [n], the
-    tokens each query attends to, its own included. Returns [n, num_heads, head_dim]. CPU float32;
-    call only when `available()`.
+    tokens each query attends to, its own included. Returns [n, num_heads, head_dim] in q's dtype. CPU,
+    q and the caches all float32 or all bfloat16; call only when `serves(q, k_cache)`.
     """
     assert _extension.module is not None, "paged_decode_attention called before available() returned True"
     return _extension.module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
@@ -53,6 +67,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache[slot_mapping[i]] = k[i] and v_cache[slot_mapping[i]] = v[i]; k, v: [n, num_kv_heads,
-    head_dim]. CPU float32; call only when `available()`."""
+    head_dim]. CPU, all float32 or all bfloat16; call only when `serves(k, k_cache)`."""
     assert _extension.module is not None, "write_kv called before available() returned True"
     _extension.module.write_kv(k, v, k_cache, v_cache, slot_mapping)

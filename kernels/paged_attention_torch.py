@@ -2,9 +2,9 @@
 
 K/V live in a flat slot-indexed cache per layer, [num_blocks * block_size, num_kv_heads, head_dim];
 a request's context is gathered through its block table, one whole block (a contiguous row of the
-cache viewed as [num_blocks, block_size * num_kv_heads * head_dim]) per index. On the CPU in float32,
-single-query requests go to the C++ kernel of cpu_paged_attention.py instead, which reads the cache in
-place; the gather + SDPA below stays as its reference and its fallback.
+cache viewed as [num_blocks, block_size * num_kv_heads * head_dim]) per index. On the CPU in float32 or
+bfloat16, single-query requests go to the C++ kernel of cpu_paged_attention.py instead, which reads the
+cache in place; the gather + SDPA below stays as its reference and its fallback.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    use_kernel = q.device.type == "cpu" and q.dtype == torch.float32 and cpu_paged_attention.available()
+    use_kernel = cpu_paged_attention.serves(q, k_cache)
     if use_kernel:
         cpu_paged_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:

@@ -30,6 +30,9 @@ print("available", cpu_paged_attention.available(), cpu_layer_ops.available())
 if cpu_layer_ops.available():
     x = torch.randn(5, 256)
     torch.testing.assert_close(cpu_layer_ops.CpuLayerOps.silu_mul(x), TorchLayerOps.silu_mul(x))
+    y = x.bfloat16()  # bf16 through the portable conversions (no avx512_bf16 at any -march level)
+    torch.testing.assert_close(cpu_layer_ops.CpuLayerOps.silu_mul(y), TorchLayerOps.silu_mul(y.float()).bfloat16(),
+                               atol=1e-6, rtol=2**-7)
     print("matches torch")
 """
 

@@ -1,5 +1,6 @@
 """The C++ CPU layer ops (CpuLayerOps) against TorchLayerOps: each op at odd shapes, which inputs they
-write, the ITERSERVE_CPU_LAYER_OPS kill switch and the other fallbacks, and a whole model either way."""
+write, the ITERSERVE_CPU_LAYER_OPS kill switch and the other fallbacks (bfloat16's included), and a whole
+model either way. Their bfloat16 arithmetic: test_cpu_layer_ops_bf16.py."""
 
 from __future__ import annotations
 
@@ -148,6 +149,22 @@ def test_silu_mul_extremes(kernel):
     torch.testing.assert_close(out, TorchLayerOps.silu_mul(gate_up), atol=1e-30, rtol=RTOL, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_kernels_refuse_other_dtypes(kernel, dtype):
+    module = cpu_layer_ops._extension.module
+    x = torch.randn(2, 8, dtype=dtype)
+    with pytest.raises(RuntimeError, match="expected float32 or bfloat16"):
+        module.silu_and_mul(x)
+    with pytest.raises(RuntimeError, match="expected float32 or bfloat16"):
+        module.add_rms_norm(x, None, torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="differs from x's"):
+        module.add_rms_norm(x.float(), x.bfloat16(), torch.ones(8), 1e-5)
+    rope = RotaryEmbedding(_config(head_dim=8), 16)
+    with pytest.raises(RuntimeError, match="cos_cache: expected float32"):
+        module.rotary(torch.randn(2, 1, 8).bfloat16(), torch.tensor([0, 1]), rope.cos_cache.bfloat16(),
+                      rope.sin_cache.bfloat16())
+
+
 def _call_all(dtype: torch.dtype):
     """Every op on inputs of `dtype`, with what TorchLayerOps returns for them (on copies)."""
     gen = torch.Generator().manual_seed(3)
@@ -164,15 +181,30 @@ def _call_all(dtype: torch.dtype):
     return got, expected
 
 
-def test_kill_switch_takes_the_torch_path(monkeypatch, refuse_kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kill_switch_takes_the_torch_path(monkeypatch, refuse_kernel, dtype):
     monkeypatch.setenv(cpu_layer_ops.ENV_VAR, "torch")
     assert not cpu_layer_ops.available()
-    got, expected = _call_all(torch.float32)
+    got, expected = _call_all(dtype)
     for g, e in zip(got, expected):
-        assert torch.equal(g, e)
+        assert g.dtype == dtype and torch.equal(g, e)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_mixed_dtypes_take_the_torch_path(monkeypatch, refuse_kernel):
+    """bf16 x with an fp32 residual, an fp16 norm weight, bf16 cos/sin caches: not what the kernels take."""
+    monkeypatch.delenv(cpu_layer_ops.ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 64, generator=gen).bfloat16()
+    norm = _norm(64, gen)
+    out, summed = CpuLayerOps.add_rms_norm(norm, x, torch.randn(4, 64, generator=gen))
+    assert summed.dtype == torch.float32
+    CpuLayerOps.add_rms_norm(norm.half(), x, None)
+    rope = RotaryEmbedding(_config(head_dim=32), 64).bfloat16()
+    _, qk = _qkv(4, 9, 3, 32, gen)
+    CpuLayerOps.rotary(rope, torch.tensor([3, 1, 4, 1]), qk.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 def test_other_dtypes_take_the_torch_path(monkeypatch, refuse_kernel, dtype):
     monkeypatch.delenv(cpu_layer_ops.ENV_VAR, raising=False)
     assert cpu_layer_ops.available()
@@ -214,6 +246,20 @@ def _step(done: list[int], new: list[list[int]], tables: np.ndarray, block_size:
     return torch.tensor(layout.input_ids), torch.from_numpy(positions), meta
 
 
+def _model_steps(cfg: ModelConfig):
+    """Four prompts prefilled in one step, then three decode steps: (block_size, block tables, one KV
+    cache's shape, the steps as (tokens done, new tokens) per request)."""
+    block_size, lens = 16, [23, 1, 40, 7]
+    # shuffled block ids, so a request's blocks are neither contiguous nor increasing
+    tables = np.random.default_rng(0).permutation(4 * 8).reshape(4, 8).astype(np.int64)
+    shape = (4 * 8 * block_size, cfg.num_key_value_heads, cfg.head_dim)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
+    steps = [([0] * 4, prompts)] + [([n + i for n in lens], [[int(rng.integers(0, cfg.vocab_size))] for _ in lens])
+                                    for i in range(3)]
+    return block_size, tables, shape, steps
+
+
 @torch.inference_mode()
 def test_model_matches_torch_layer_ops(kernel):
     """Two prefill steps' worth of prompts, then decodes: hidden states and logits of the default
@@ -224,15 +270,8 @@ def test_model_matches_torch_layer_ops(kernel):
         model = LlamaForCausalLM(cfg, paged_attention, 256, ops).eval()
         model.init_dummy_weights(seed=0)
         models.append(model)
-    block_size, lens = 16, [23, 1, 40, 7]
-    # shuffled block ids, so a request's blocks are neither contiguous nor increasing
-    tables = np.random.default_rng(0).permutation(4 * 8).reshape(4, 8).astype(np.int64)
-    shape = (4 * 8 * block_size, cfg.num_key_value_heads, cfg.head_dim)
+    block_size, tables, shape, steps = _model_steps(cfg)
     caches = [[(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)] for _ in models]
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
-    steps = [([0] * 4, prompts)] + [([n + i for n in lens], [[int(rng.integers(0, cfg.vocab_size))] for _ in lens])
-                                    for i in range(3)]
     for done, new in steps:
         ids, positions, meta = _step(done, new, tables, block_size)
         hidden = [m(ids, positions, c, meta) for m, c in zip(models, caches)]

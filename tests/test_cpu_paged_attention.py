@@ -1,5 +1,5 @@
-"""The C++ CPU decode-attention kernel against a per-request float64 torch computation and against the
-torch path's gather + SDPA, and the ITERSERVE_CPU_ATTENTION kill switch."""
+"""The C++ CPU decode-attention kernel, in float32 and bfloat16, against a per-request float64 torch
+computation and against the torch path's gather + SDPA, and the ITERSERVE_CPU_ATTENTION kill switch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata, SingleQueryGroup
 from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.runner.step_inputs import _groups_by_context
+from tests.bf16_support import assert_rounded_once_to_bf16
 
 
 @pytest.fixture
@@ -27,9 +28,9 @@ def _lengths(block_size: int) -> list[int]:
 
 
 def _random_case(lens: list[int], block_size: int, num_kv_heads: int, group: int, head_dim: int,
-                 seed: int = 0):
+                 seed: int = 0, dtype: torch.dtype = torch.float32):
     """Caches with more blocks than the requests use, handed out in shuffled order, so block tables are
-    neither contiguous nor increasing; tables padded with block 0."""
+    neither contiguous nor increasing; tables padded with block 0. q and the caches in `dtype`."""
     gen = torch.Generator().manual_seed(seed)
     per_req = [-(-n // block_size) for n in lens]
     num_blocks = sum(per_req) + 5
@@ -40,9 +41,9 @@ def _random_case(lens: list[int], block_size: int, num_kv_heads: int, group: int
         tables[r, :nb] = ids[taken : taken + nb]
         taken += nb
     shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen)
-    v_cache = torch.randn(shape, generator=gen)
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
 
 
@@ -75,6 +76,57 @@ def test_kernel_matches_per_request_reference(kernel, block_size, group, head_di
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [128, 64, 32, 40])  # 40: no vector form, the portable loops
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_kernel_bf16_matches_per_request_reference(kernel, block_size, group, head_dim):
+    lens = _lengths(block_size)
+    lens = lens + lens[::-1]
+    q, k_cache, v_cache, tables, ctx = _random_case(lens, block_size, 3, group, head_dim, dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    out = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, ctx, block_size, scale)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    expected = _reference(q, k_cache, v_cache, tables, ctx, block_size, scale)
+    assert_rounded_once_to_bf16(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # whole requests per item, or one KV head per item
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 300])
+def test_kernel_bf16_single_request(kernel, n, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k_cache, v_cache, tables, ctx = _random_case([n], 16, 3, 3, 64, seed=n, dtype=torch.bfloat16)
+        out = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 16, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert_rounded_once_to_bf16(out, _reference(q, k_cache, v_cache, tables, ctx, 16, 0.125), atol=1e-5)
+
+
+def test_kernel_bf16_reads_a_non_contiguous_q(kernel):
+    """q as the model hands it over: a view of the fused qkv output's columns."""
+    q, k_cache, v_cache, tables, ctx = _random_case([5, 40], 16, 3, 3, 64, dtype=torch.bfloat16)
+    qkv = torch.cat([q.flatten(1), torch.zeros(2, 6 * 64, dtype=torch.bfloat16)], dim=1)
+    q_view = qkv[:, : 9 * 64].view(2, 9, 64)
+    assert not q_view.is_contiguous()
+    out = cpu_paged_attention.paged_decode_attention(q_view, k_cache, v_cache, tables, ctx, 16, 0.125)
+    assert torch.equal(out, cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 16, 0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_copies_rows_exactly(kernel, dtype):
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.zeros(64, 3, 64, dtype=dtype), torch.zeros(64, 3, 64, dtype=dtype)
+    k = torch.randn(4, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(4, 3, 64, generator=gen).to(dtype)
+    slots = torch.tensor([17, 3, 63, 40])
+    cpu_paged_attention.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+    others = torch.ones(64, dtype=torch.bool)
+    others[slots] = False
+    assert not k_cache[others].any() and not v_cache[others].any()
+
+
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 300])
 def test_kernel_single_request(kernel, n):
     q, k_cache, v_cache, tables, ctx = _random_case([n], 16, 3, 3, 64, seed=n)
@@ -83,15 +135,16 @@ def test_kernel_single_request(kernel, n):
                                atol=1e-5, rtol=1e-5)
 
 
-def _decode_step(lens: list[int], block_size: int, num_kv_heads: int, group: int, head_dim: int):
+def _decode_step(lens: list[int], block_size: int, num_kv_heads: int, group: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32):
     """A step of decodes in two single-query groups (as step_inputs builds them), the new tokens' K/V
     still to be written by paged_attention."""
-    q, k_cache, v_cache, tables, ctx = _random_case(lens, block_size, num_kv_heads, group, head_dim)
+    q, k_cache, v_cache, tables, ctx = _random_case(lens, block_size, num_kv_heads, group, head_dim, dtype=dtype)
     last = ctx - 1
     slots = tables[torch.arange(len(lens)), last // block_size] * block_size + last % block_size
     gen = torch.Generator().manual_seed(1)
-    k = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen)
+    k = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen).to(dtype)
     groups = []
     for rows in (torch.arange(0, len(lens), 2), torch.arange(1, len(lens), 2)):
         width = -(-int(ctx[rows].max()) // block_size)
@@ -108,6 +161,42 @@ def test_paged_attention_kernel_matches_torch_path(kernel, monkeypatch, block_si
     monkeypatch.setenv(cpu_paged_attention.ENV_VAR, "torch")
     expected = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_attention_bf16_kernel_and_torch_path(kernel, monkeypatch, block_size):
+    """paged_attention in bf16 takes the kernel (tight against the reference) unless switched to torch,
+    whose bf16 SDPA also serves (looser: it rounds its intermediates to bf16)."""
+    q, k, v, k_cache, v_cache, meta, tables, ctx = _decode_step([1, 40, 17, 300, 16, 5], block_size, 3, 3, 64,
+                                                               dtype=torch.bfloat16)
+    outs, caches = [], []
+    for path in ("kernel", "torch"):
+        if path == "torch":
+            monkeypatch.setenv(cpu_paged_attention.ENV_VAR, "torch")
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append(paged_attention(q, k, v, kc, vc, meta, 0.125))
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])  # same writes
+    expected = _reference(q, *caches[0], tables, ctx, block_size, 0.125)
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    assert_rounded_once_to_bf16(outs[0], expected, atol=1e-5)
+    torch.testing.assert_close(outs[1].double(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_other_dtypes_take_the_torch_path(kernel, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel ran on a dtype it does not serve")
+
+    q, k, v, k_cache, v_cache, meta, tables, ctx = _decode_step([3, 20], 16, 2, 2, 32, dtype=torch.float16)
+    assert not cpu_paged_attention.serves(q, k_cache)
+    assert not cpu_paged_attention.serves(q.bfloat16(), k_cache.float())  # one dtype for all, or none
+    assert cpu_paged_attention.serves(q.bfloat16(), k_cache.bfloat16())
+    monkeypatch.setattr(cpu_paged_attention, "paged_decode_attention", refuse)
+    monkeypatch.setattr(cpu_paged_attention, "write_kv", refuse)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.2)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, ctx, 16, 0.2),
+                               atol=1e-2, rtol=1e-2)
 
 
 def test_kill_switch_takes_the_torch_path(monkeypatch):
@@ -135,6 +224,13 @@ def test_kernel_refuses_bad_inputs(kernel):
     bad[1, 1] = k_cache.shape[0] // 16
     with pytest.raises(RuntimeError, match="block id"):
         cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, bad, ctx, 16, 1.0)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        cpu_paged_attention.paged_decode_attention(q.bfloat16(), k_cache, v_cache, tables, ctx, 16, 1.0)
+    with pytest.raises(RuntimeError, match="expected float32 or bfloat16"):
+        cpu_paged_attention.paged_decode_attention(q.half(), k_cache.half(), v_cache.half(), tables, ctx, 16, 1.0)
+    k = torch.zeros(1, 2, 32)
+    with pytest.raises(RuntimeError, match="must all be float32 or all bfloat16"):
+        cpu_paged_attention.write_kv(k.bfloat16(), k.bfloat16(), k_cache, v_cache, torch.tensor([0]))
 
 
 def test_failed_build_falls_back_to_torch_and_warns_once(monkeypatch, caplog):

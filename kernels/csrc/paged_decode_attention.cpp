@@ -1,6 +1,8 @@
 // Paged decode attention on the CPU: one query token per request, read straight from the paged K/V
-// cache through the request's block table (no gathered copy), fp32 online softmax. Built and loaded by
-// kernels/cpu_paged_attention.py, which says why it exists.
+// cache through the request's block table (no gathered copy), fp32 online softmax. q and the caches are
+// float32 or bfloat16 (bf16.h), all of one dtype: K and V rows are widened to fp32 as they are loaded, so
+// a bf16 cache halves the bytes read, and scores, softmax and accumulators stay fp32. Built and loaded
+// by kernels/cpu_paged_attention.py, which says why it exists.
 
 #include <torch/extension.h>
 
@@ -14,9 +16,13 @@
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
 #include "vec_exp.h"
 
 namespace {
+
+using iterserve::bf16;
+using iterserve::load;
 
 // Multiply-adds (per q.k or per p*v pass) below which a task is not worth a thread: torch's grain for
 // elementwise ops (at::internal::GRAIN_SIZE), an estimate here, not a measurement.
@@ -28,18 +34,19 @@ constexpr int64_t kMinWorkPerTask = 32768;
 //
 // dot's sum across vector lanes is written out with intrinsics where the CPU has them: for an `omp simd`
 // reduction GCC adds the lanes one at a time, and those scalar adds took most of the kernel's time.
-template <int64_t D>
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// T: the cache's element type; the query side is always fp32 scratch.
+template <int64_t D, typename T>
+inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
 #if defined(__AVX512F__)
   if constexpr (D > 0 && D % 16 == 0) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-    for (int64_t i = 16; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), iterserve::load16(b));
+    for (int64_t i = 16; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), iterserve::load16(b + i), acc);
     return _mm512_reduce_add_ps(acc);
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (D > 0 && D % 8 == 0) {
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-    for (int64_t i = 8; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), iterserve::load8(b));
+    for (int64_t i = 8; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), iterserve::load8(b + i), acc);
     const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
     return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
@@ -48,25 +55,29 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   const int64_t len = D ? D : n;
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < len; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < len; ++i) s += a[i] * load(b[i]);
   return s;
 }
 
-template <int64_t D>
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+template <int64_t D, typename T>
+inline void axpy(float* __restrict y, float a, const T* __restrict x, int64_t n) {
   const int64_t len = D ? D : n;
 #pragma omp simd
-  for (int64_t i = 0; i < len; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < len; ++i) y[i] += a * load(x[i]);
 }
 
-inline void scale_into(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+// y = a * x, stored as Y (the output's type) from X (the query's, or fp32 scratch).
+template <typename Y, typename X>
+inline void scale_into(Y* __restrict y, float a, const X* __restrict x, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = a * x[i];
+  for (int64_t i = 0; i < n; ++i) iterserve::store(&y[i], a * load(x[i]));
 }
 
-// Every cache line of [p, p + floats).
-inline void prefetch(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i);
+// Every cache line of [p, p + count).
+template <typename T>
+inline void prefetch(const T* p, int64_t count) {
+  constexpr int64_t kPerLine = 64 / sizeof(T);
+  for (int64_t i = 0; i < count; i += kPerLine) __builtin_prefetch(p + i);
 }
 
 struct Shape {
@@ -83,10 +94,10 @@ struct Scratch {
 
 // One cache block against one KV head's G query rows: scores[g * bs + t] = q_g . k_t (block_scores), and
 // acc_g += sum_t scores[g * bs + t] v_t (block_apply), for the block's n tokens; K and V rows are
-// `stride` floats apart. The AVX-512 forms keep a query row or an accumulator row in registers for the
+// `stride` elements apart. The AVX-512 forms keep a query row or an accumulator row in registers for the
 // whole block and sum four tokens' lanes at once; the portable ones serve other CPUs and head sizes.
-template <int64_t kD>
-inline void block_scores(const float* q, int64_t G, const float* k, int64_t n, int64_t stride, int64_t D,
+template <int64_t kD, typename T>
+inline void block_scores(const float* q, int64_t G, const T* k, int64_t n, int64_t stride, int64_t D,
                          float* scores, int64_t bs) {
 #if defined(__AVX512F__)
   if constexpr (kD > 0 && kD % 16 == 0) {
@@ -96,9 +107,9 @@ inline void block_scores(const float* q, int64_t G, const float* k, int64_t n, i
       for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * kD + 16 * c);
       // each token's 16 partial sums folded to 4, then four tokens' folds summed into one vector
       auto fold = [&](int64_t t) {
-        const float* row = k + t * stride;
-        __m512 p = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
-        for (int64_t c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + 16 * c), p);
+        const T* row = k + t * stride;
+        __m512 p = _mm512_mul_ps(qv[0], iterserve::load16(row));
+        for (int64_t c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], iterserve::load16(row + 16 * c), p);
         const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
         return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
       };
@@ -117,8 +128,8 @@ inline void block_scores(const float* q, int64_t G, const float* k, int64_t n, i
   }
 }
 
-template <int64_t kD>
-inline void block_apply(float* acc, int64_t G, const float* v, int64_t n, int64_t stride, int64_t D,
+template <int64_t kD, typename T>
+inline void block_apply(float* acc, int64_t G, const T* v, int64_t n, int64_t stride, int64_t D,
                         const float* scores, int64_t bs) {
 #if defined(__AVX512F__)
   if constexpr (kD > 0 && kD % 16 == 0) {
@@ -128,8 +139,8 @@ inline void block_apply(float* acc, int64_t G, const float* v, int64_t n, int64_
       for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + g * kD + 16 * c);
       for (int64_t t = 0; t < n; ++t) {
         const __m512 p = _mm512_set1_ps(scores[g * bs + t]);
-        const float* row = v + t * stride;
-        for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * c), a[c]);
+        const T* row = v + t * stride;
+        for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, iterserve::load16(row + 16 * c), a[c]);
       }
       for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * kD + 16 * c, a[c]);
     }
@@ -146,9 +157,9 @@ inline void block_apply(float* acc, int64_t G, const float* v, int64_t n, int64_
 // lie in one contiguous stretch of the cache, so the kernel streams it front to back instead of reading
 // a third of each row per pass. A block's scores stay in L1; the running max is raised and the
 // accumulators rescaled once per block rather than once per token.
-template <int64_t kD>
-void attend_d(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t len,
-              int64_t h0, int64_t h1, float scale, const Shape& s, Scratch& w, float* out) {
+template <int64_t kD, typename T>
+void attend_d(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
+              int64_t h0, int64_t h1, float scale, const Shape& s, Scratch& w, T* out) {
   const int64_t G = s.group, D = kD ? kD : s.head_dim, bs = s.block_size;
   const int64_t rows = (h1 - h0) * G;  // query heads of this item, in order
   const int64_t slot_stride = s.num_kv_heads * D;
@@ -162,7 +173,7 @@ void attend_d(const float* q, const float* k_cache, const float* v_cache, const 
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t n = std::min(bs, len - b * bs);
     const int64_t base = table[b] * bs * slot_stride + h0 * D;
-    const int64_t span = (n - 1) * slot_stride + (h1 - h0) * D;  // floats from the block's first row read
+    const int64_t span = (n - 1) * slot_stride + (h1 - h0) * D;  // elements from the block's first row read
     // V's rows of this block are fetched while its scores are computed, and the next block's K rows
     // while V is applied: the hardware prefetcher does not follow a block table.
     prefetch(v_cache + base, span);
@@ -197,8 +208,9 @@ void attend_d(const float* q, const float* k_cache, const float* v_cache, const 
   for (int64_t r = 0; r < rows; ++r) scale_into(out + r * D, 1.f / w.sum[r], &w.acc[r * D], D);
 }
 
-void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t len,
-            int64_t h0, int64_t h1, float scale, const Shape& s, Scratch& w, float* out) {
+template <typename T>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
+            int64_t h0, int64_t h1, float scale, const Shape& s, Scratch& w, T* out) {
   switch (s.head_dim) {
     case 64: return attend_d<64>(q, k_cache, v_cache, table, len, h0, h1, scale, s, w, out);
     case 128: return attend_d<128>(q, k_cache, v_cache, table, len, h0, h1, scale, s, w, out);
@@ -206,20 +218,48 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   }
 }
 
+// Schedules the items of a batch over torch's threads (see paged_decode_attention).
+template <typename T>
+void run(const T* qp, const T* kp, const T* vp, const int64_t* tables, const int64_t* lens, int64_t total_tokens,
+         int64_t n, int64_t num_heads, float fscale, const Shape& shape, T* op) {
+  const int64_t num_kv_heads = shape.num_kv_heads, head_dim = shape.head_dim;
+  // Items are handed out one at a time from a shared counter: requests differ in length, and an even
+  // split of the item range would leave one thread with all the long ones. An item is a whole request
+  // (all its KV heads: one pass over its blocks) when there are as many requests as threads, else one
+  // KV head of a request, so that a lone long request still uses every thread. Fewer tasks than threads
+  // when the work is too small to pay for waking them.
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = n >= threads ? num_kv_heads : 1;
+  const int64_t items_per_request = num_kv_heads / heads_per_item;
+  const int64_t items = n * items_per_request;
+  const int64_t work = total_tokens * num_heads * head_dim;
+  const int64_t num_tasks = std::max<int64_t>(1, std::min({items, threads, work / kMinWorkPerTask}));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {  // the counter, not the range, splits
+    Scratch scratch(shape, heads_per_item * shape.group);
+    for (int64_t item = next++; item < items; item = next++) {
+      const int64_t r = item / items_per_request, h0 = (item % items_per_request) * heads_per_item;
+      const int64_t offset = (r * num_heads + h0 * shape.group) * head_dim;
+      attend(qp + offset, kp, vp, tables + r * shape.table_width, lens[r], h0, h0 + heads_per_item, fscale,
+             shape, scratch, op + offset);
+    }
+  });
+}
+
 }  // namespace
 
-// q: [n, num_heads, head_dim]; k_cache, v_cache: [num_blocks * block_size, num_kv_heads, head_dim];
-// block_tables: [n, width] (columns past a request's context are never read); context_lens: [n], each
-// in [1, width * block_size]. Returns [n, num_heads, head_dim].
+// q: [n, num_heads, head_dim]; k_cache, v_cache: [num_blocks * block_size, num_kv_heads, head_dim], all
+// three float32 or all bfloat16; block_tables: [n, width] (columns past a request's context are never
+// read); context_lens: [n], each in [1, width * block_size]. Returns [n, num_heads, head_dim] in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables_in,
                                   const at::Tensor& context_lens_in, int64_t block_size,
                                   double scale) {
   TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
+  TORCH_CHECK(k_cache.scalar_type() == q_in.scalar_type() && v_cache.scalar_type() == q_in.scalar_type(),
+              "paged_decode_attention: q, k_cache and v_cache must share a dtype, got ", q_in.scalar_type(), ", ",
+              k_cache.scalar_type(), ", ", v_cache.scalar_type());
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3, "q and the caches must be 3-D");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   // A copy of a whole cache would cost more than the attention: the caller must pass them as they are.
@@ -257,32 +297,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   }
 
   at::Tensor out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-
-  // Items are handed out one at a time from a shared counter: requests differ in length, and an even
-  // split of the item range would leave one thread with all the long ones. An item is a whole request
-  // (all its KV heads: one pass over its blocks) when there are as many requests as threads, else one
-  // KV head of a request, so that a lone long request still uses every thread. Fewer tasks than threads
-  // when the work is too small to pay for waking them.
-  const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = n >= threads ? num_kv_heads : 1;
-  const int64_t items_per_request = num_kv_heads / heads_per_item;
-  const int64_t items = n * items_per_request;
-  const int64_t work = total_tokens * num_heads * head_dim;
-  const int64_t num_tasks = std::max<int64_t>(1, std::min({items, threads, work / kMinWorkPerTask}));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {  // the counter, not the range, splits
-    Scratch scratch(shape, heads_per_item * shape.group);
-    for (int64_t item = next++; item < items; item = next++) {
-      const int64_t r = item / items_per_request, h0 = (item % items_per_request) * heads_per_item;
-      const int64_t offset = (r * num_heads + h0 * shape.group) * head_dim;
-      attend(qp + offset, kp, vp, tables + r * shape.table_width, lens[r], h0, h0 + heads_per_item, fscale,
-             shape, scratch, op + offset);
-    }
+  iterserve::dispatch(q.scalar_type(), "paged_decode_attention", [&](auto dtype) {
+    using T = decltype(dtype);
+    run<T>(iterserve::data<const T>(q), iterserve::data<const T>(k_cache), iterserve::data<const T>(v_cache),
+           tables, lens, total_tokens, n, num_heads, fscale, shape, iterserve::data<T>(out));
   });
   return out;
 }
@@ -291,9 +310,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 // head_dim]). torch's index_copy_ took ~50 us a layer for a decode step of 64 rows; this is a few.
 void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slots_in) {
-  TORCH_CHECK(k_in.scalar_type() == at::kFloat && v_in.scalar_type() == at::kFloat &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "write_kv: float32 only");
+  TORCH_CHECK(k_in.scalar_type() == k_cache.scalar_type() && v_in.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "write_kv: k, v and the caches must all be float32 or all bfloat16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: the caches must be contiguous");
   TORCH_CHECK(k_in.sizes() == v_in.sizes() && k_in.dim() == 3 && k_in.size(1) == k_cache.size(1) &&
                   k_in.size(2) == k_cache.size(2),
@@ -306,14 +326,16 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "write_kv: slot ", sp[i], " is outside the cache");
   }
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  // a copy of bytes: the dtype only sets a row's size
+  const int64_t row_bytes = row * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
   at::parallel_for(0, n, std::max<int64_t>(1, kMinWorkPerTask / (2 * row)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(kc + sp[i] * row, kp + i * row, row * sizeof(float));
-      std::memcpy(vc + sp[i] * row, vp + i * row, row * sizeof(float));
+      std::memcpy(kc + sp[i] * row_bytes, kp + i * row_bytes, row_bytes);
+      std::memcpy(vc + sp[i] * row_bytes, vp + i * row_bytes, row_bytes);
     }
   });
 }
@@ -321,8 +343,8 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: the engine loop runs in a background thread next to the HTTP server's.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention from the paged K/V cache (CPU, float32)",
+        "Paged decode attention from the paged K/V cache (CPU, float32 or bfloat16)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("write_kv", &write_kv, "Write the step's new K/V rows into their cache slots (CPU, float32)",
+  m.def("write_kv", &write_kv, "Write the step's new K/V rows into their cache slots (CPU, float32 or bfloat16)",
         py::call_guard<py::gil_scoped_release>());
 }
