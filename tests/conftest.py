@@ -81,10 +81,27 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 KUBE_FIXTURES = {"kube_cluster", "kube_namespace"}
 
+# Modules whose tests are all `slow`: they start servers, compare the engine with HF transformers' generate
+# over many batches, build the C++ kernels, run Triton kernels under the interpreter or run the bundled
+# default model (seconds to minutes each). `-m "not kube and not slow"` is the fast pass (README).
+SLOW_MODULES = {
+    "test_cpu_kernels_prebuilt", "test_cpu_layer_ops", "test_default_model", "test_engine_vs_hf", "test_loader",
+    "test_logits_processing", "test_prefix_cache_vs_hf", "test_tokenizer",
+    "test_server_admin", "test_server_admin_port", "test_server_drain", "test_server_heavy_requests",
+    "test_server_limits", "test_server_openai", "test_server_prefix_cache", "test_server_robustness",
+    "test_server_schemathesis", "test_server_slow_clients", "test_server_tokenize",
+    "test_triton_attention", "test_triton_compile", "test_triton_gpu_benchmark", "test_triton_layer_ops",
+    "test_triton_model_runner", "test_tuning_benchmark_smoke", "test_tuning_e2e", "test_tuning_live",
+    "test_tuning_simulation",
+}
+
 
 def pytest_collection_modifyitems(config, items):
     """Every test that uses the real Kubernetes API server is marked `kube`, so `-m "not kube"` leaves
-    out the tests that need the apiserver binaries (scripts/bootstrap.sh --with-kube)."""
+    out the tests that need the apiserver binaries (scripts/bootstrap.sh --with-kube); every test of
+    SLOW_MODULES is marked `slow`."""
     for item in items:
         if KUBE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.kube)
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -7,7 +7,7 @@ import sys
 
 from iterserve.server.bench import cli as bench_cli
 from iterserve.operator import cli as operator_cli
-from iterserve.server.entrypoints import generate_cmd, serve_cmd
+from iterserve.server.entrypoints import extras, generate_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    extra = extras.COMMAND_EXTRAS[args.command]
+    absent = extras.missing(extra)
+    if absent:  # before any import of them, so the user reads what to install, not a traceback
+        print(f"iterserve {args.command}: {', '.join(absent)} not installed: pip install 'iterserve[{extra}]'",
+              file=sys.stderr)
+        return 2
     return args.run(args)
 
 
