@@ -85,7 +85,8 @@ KUBE_FIXTURES = {"kube_cluster", "kube_namespace"}
 # over many batches, build the C++ kernels, run Triton kernels under the interpreter or run the bundled
 # default model (seconds to minutes each). `-m "not kube and not slow"` is the fast pass (README).
 SLOW_MODULES = {
-    "test_cpu_kernels_prebuilt", "test_cpu_layer_ops", "test_default_model", "test_engine_vs_hf", "test_loader",
+    "test_bf16", "test_cpu_kernels_prebuilt", "test_cpu_layer_ops", "test_cpu_layer_ops_bf16", "test_cpu_linear",
+    "test_cpu_paged_attention", "test_default_model", "test_engine_vs_hf", "test_loader",
     "test_logits_processing", "test_prefix_cache_vs_hf", "test_tokenizer",
     "test_server_admin", "test_server_admin_port", "test_server_drain", "test_server_heavy_requests",
     "test_server_limits", "test_server_openai", "test_server_prefix_cache", "test_server_robustness",
