@@ -1,8 +1,9 @@
 """Build-on-first-use for the C++ CPU kernels of csrc/: one `CppExtension` per source file.
 
 Each is JIT-built with `torch.utils.cpp_extension.load` (g++ and ninja, `-O3 -march=native`) on first
-use, under ~/.cache/iterserve/torch_extensions/<torch version>/<CPU tag>/<name>; torch's file lock
-serializes concurrent builds from several processes, and later processes only load the cached library.
+use, under ~/.cache/iterserve/torch_extensions/<torch version>/<CPU tag>/<name>-<sources hash>; torch's
+file lock serializes concurrent builds from several processes, and later processes only load the cached
+library.
 When the build fails (no compiler, say), `available()` is False, the reason is logged once, and the
 caller's torch path serves. An environment variable set to `torch` forces that path without building
 anything: the A/B comparison against the kernel, and a kill switch. It is read on every call, so it can
@@ -82,6 +83,14 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
+def _sources_tag() -> str:
+    """A hash of every file of csrc/ (the sources include each other's headers)."""
+    digest = hashlib.sha1()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 class CppExtension:
     """One C++ source built into one torch extension module, at most once per process."""
 
@@ -129,9 +138,11 @@ class CppExtension:
             return module
         # One directory per extension: torch writes a single build.ninja per directory, and ninja drops
         # the log entries of outputs its current build.ninja does not name, which would make two
-        # extensions sharing a directory rebuild each other in turn.
+        # extensions sharing a directory rebuild each other in turn. And one per version of the sources:
+        # checkouts of different versions (worktrees, CI next to a developer) would otherwise rebuild
+        # over each other, and a process waiting on the build lock would load the other's library.
         return self.compile(Path.home() / ".cache" / "iterserve" / "torch_extensions" / torch.__version__
-                            / _cpu_tag() / self.name)
+                            / _cpu_tag() / f"{self.name}-{_sources_tag()}")
 
     def available(self) -> bool:
         """Whether the kernel serves: not forced off by `env_var`=torch, and built/loaded.

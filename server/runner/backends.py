@@ -1,6 +1,6 @@
 """Attention backends: which attention function, layer ops and metadata builder the model runner uses.
 
-`torch` is the CPU product: paged attention in torch (the C++ decode kernel on CPU float32) and the
+`torch` is the CPU product: paged attention in torch (the C++ decode kernel on CPU float32 and bfloat16) and the
 layer's elementwise ops as C++ kernels (kernels/cpu_layer_ops.py: one call per fused op instead of
 several torch ops, each with a fixed cost), both plain torch elsewhere. `triton` runs the Triton
 kernels of kernels/; on CUDA that is the default, on CPU it needs the Triton interpreter
