@@ -2,12 +2,14 @@
 presence penalties over its tokens so far, then `logit_bias`, then the ban on EOS and stop tokens until
 `min_tokens` were generated. Only the rows of requests that ask for any of it are touched, on a copy:
 the raw logits stay what logprobs report (as vLLM's default), and a batch without processing pays nothing.
-`min_p` belongs to the random draw and lives in the sampler."""
+`min_p` belongs to the random draw and lives in the sampler. Last, the grammar masks of structured output:
+one bitmask for the whole batch, applied to the rows that have a grammar (a batch without any skips it)."""
 
 from __future__ import annotations
 
 import torch
 
+from iterserve.server.engine.grammar_manager import GrammarBitmask
 from iterserve.server.engine.scheduler import ScheduledRequest
 
 
@@ -47,3 +49,20 @@ def process_row(row: torch.Tensor, p, token_ids: list[int], num_prompt_tokens: i
         if banned:
             row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
     return row
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, raw_logits: torch.Tensor, sampling: list[ScheduledRequest],
+                          grammar: GrammarBitmask) -> torch.Tensor:
+    """Set to -inf every token a row's grammar does not allow, in the rows of `grammar.request_ids` (never on
+    `raw_logits` itself, which logprobs report)."""
+    import xgrammar
+
+    row_of = {s.request_id: i for i, s in enumerate(sampling)}
+    rows = torch.tensor([row_of[r] for r in grammar.request_ids], dtype=torch.long, device=logits.device)
+    if logits is raw_logits:
+        logits = logits.clone()
+    masked = logits.index_select(0, rows)
+    xgrammar.apply_token_bitmask_inplace(masked, grammar.bitmask.to(logits.device, non_blocking=True),
+                                         vocab_size=logits.shape[-1])
+    logits.index_copy_(0, rows, masked)
+    return logits
