@@ -11,7 +11,6 @@ without a grammar unchanged by batch mates that have one.
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import pytest
@@ -22,20 +21,11 @@ from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.engine.structured_output import StructuredOutput
 from iterserve.server.errors import InvalidRequestError
 from tests.conftest import make_engine
-
-EOS = 257  # <|im_end|> of the tiny tokenizer: a special token, so it is not part of the text
-
+from tests.server_support import with_special_eos
 
 @pytest.fixture(scope="module")
 def json_model(tiny_dir, tmp_path_factory):
-    """The tiny Llama with its byte-level tokenizer, ending on a special EOS (the random model's default EOS,
-    id 2, is the byte '#', which would end up in the text)."""
-    path = tmp_path_factory.mktemp("tiny-json")
-    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = EOS
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
+    return with_special_eos(tiny_dir, tmp_path_factory.mktemp("tiny-json"))
 
 
 @pytest.fixture(scope="module")

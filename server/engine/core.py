@@ -121,12 +121,13 @@ class EngineCore:
     # -- the loop (engine thread) ----------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:
-        grammar = self.grammar if self.grammar is not None and self.grammar.num_live else None
-        if grammar is not None:
-            for request_id, reason in grammar.take_failures():
+        if self.grammar is not None and self.grammar.num_live:
+            for request_id, reason in self.grammar.take_failures():
                 logger.error("request %s: its grammar failed to compile (%s); aborting it", request_id, reason)
                 self.abort_request(request_id)
         scheduler_output = self.scheduler.schedule()
+        # checked after scheduling: a request added meanwhile (another thread) was counted before it could be
+        grammar = self.grammar if self.grammar is not None and self.grammar.num_live else None
         if grammar is not None:
             grammar.free(scheduler_output.finished_request_ids)  # aborted ones among them
             scheduler_output.grammar_bitmask = grammar.bitmask(
@@ -143,6 +144,7 @@ class EngineCore:
 
     def _update(self, out: SchedulerOutput, sampled) -> list[CoreOutput]:
         outputs = [_finished_output(r) for r in self.scheduler.aborted]
+        grammar = self.grammar if out.grammar_bitmask is not None else None  # only this step's rows have one
         num_sampled = 0
         for s in out.scheduled:
             if s.sampling_params is None:
@@ -156,12 +158,12 @@ class EngineCore:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             status = self._stop_status(req, token)
-            if self.grammar is not None and self.grammar.accept(req.request_id, token) and status is None:
+            if grammar is not None and grammar.accept(req.request_id, token) and status is None:
                 status = RequestStatus.FINISHED_STOPPED  # the grammar reached its end state
             if status is not None:
                 self.scheduler.finish_request(req, status)
-                if self.grammar is not None:
-                    self.grammar.free((req.request_id,))  # now, not at the next step: the engine may go idle
+                if grammar is not None:
+                    grammar.free((req.request_id,))  # now, not at the next step: the engine may go idle
             outputs.append(CoreOutput(
                 req.request_id, [token], req.finish_reason, req.stop_reason,
                 None if logprob is None else [logprob], None if top is None else [top],

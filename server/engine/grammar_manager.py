@@ -144,8 +144,13 @@ class GrammarManager:
                                                       cache_limit_bytes=512 << 20)
         return self._compiler
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def warm_up(self) -> None:
+        """Import xgrammar now (~1-3 s: it imports transformers) and read the vocabulary in the background,
+        rather than in the first request with structured output. The import stays on the calling thread:
+        a server core whose startup imported it on a second thread at times never came up."""
+        import xgrammar  # noqa: F401
+
+        self._pool.submit(self._get_compiler)
 
 
 def tokenizer_info(tokenizer, vocab_size: int, eos_token_ids: list[int]):
