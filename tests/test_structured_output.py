@@ -53,7 +53,8 @@ PATTERNS = ["^[a-z]{1,6}$", "^[A-Z][a-z]{0,4}$", "^[0-9]{3}-[0-9]{2}$", "^(yes|n
 names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=6)
 scalars = st.one_of(
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)),
-    st.builds(lambda lo, n: {"type": "string", "minLength": lo, "maxLength": lo + n}, st.integers(0, 3), st.integers(0, 5)),
+    st.builds(lambda lo, n: {"type": "string", "minLength": lo, "maxLength": lo + n},
+              st.integers(0, 3), st.integers(0, 5)),
     st.builds(lambda p: {"type": "string", "pattern": p}, st.sampled_from(PATTERNS)),
     st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
               st.integers(-1000, 1000), st.integers(0, 5000)),
@@ -112,8 +113,8 @@ def test_every_output_validates_against_its_schema(engine, schema, seed):
 
 
 def test_json_object_gives_an_object(engine):
-    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=s, structured_output=StructuredOutput(json_object=True))
-              for s in range(4)]
+    spec = StructuredOutput(json_object=True)
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=s, structured_output=spec) for s in range(4)]
     for out in run(engine, [[5, 6, 7]] * 4, params):
         # nesting is not bounded here: a random model may still be inside the object at max_tokens, and
         # then the text must be a prefix of one, which parses once closed is beyond a simple check
@@ -126,7 +127,8 @@ def test_json_object_gives_an_object(engine):
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
 
 

@@ -69,7 +69,7 @@ class GrammarManager:
 
     def wait_for_compiles(self, timeout: float) -> None:
         """Block until a pending compile finishes or `timeout` passes (an engine with nothing else to do)."""
-        pending = [f for f in self._compiling.values() if not f.done()]
+        pending = [f for f in list(self._compiling.values()) if not f.done()]
         if pending:
             wait_futures(pending, timeout=timeout, return_when="FIRST_COMPLETED")
 
@@ -96,7 +96,8 @@ class GrammarManager:
         matchers = [self._matcher(r) for r in ids]
         bitmask = xgrammar.allocate_token_bitmask(len(ids), self.vocab_size)
         if self._batch is None:
-            self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
+            # the fill runs between forward passes, so it may use the threads the model computes with
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         dead = (~bitmask.any(dim=1)).nonzero().flatten().tolist()
         for row in dead:

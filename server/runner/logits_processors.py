@@ -53,16 +53,17 @@ def process_row(row: torch.Tensor, p, token_ids: list[int], num_prompt_tokens: i
 
 def apply_grammar_bitmask(logits: torch.Tensor, raw_logits: torch.Tensor, sampling: list[ScheduledRequest],
                           grammar: GrammarBitmask) -> torch.Tensor:
-    """Set to -inf every token a row's grammar does not allow, in the rows of `grammar.request_ids` (never on
-    `raw_logits` itself, which logprobs report)."""
+    """Set to -inf every token a row's grammar does not allow, in the rows of `grammar.request_ids`, in place
+    (xgrammar's kernel: C++ on CPU, Triton on CUDA); on a copy only when the logits are the raw ones and a
+    row reports logprobs, which come from them."""
     import xgrammar
 
     row_of = {s.request_id: i for i, s in enumerate(sampling)}
-    rows = torch.tensor([row_of[r] for r in grammar.request_ids], dtype=torch.long, device=logits.device)
-    if logits is raw_logits:
+    rows = [row_of[r] for r in grammar.request_ids]
+    if logits is raw_logits and any(s.sampling_params.logprobs for s in sampling):
         logits = logits.clone()
-    masked = logits.index_select(0, rows)
-    xgrammar.apply_token_bitmask_inplace(masked, grammar.bitmask.to(logits.device, non_blocking=True),
+    full = torch.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=torch.int32)  # -1: all allowed
+    full[rows] = grammar.bitmask
+    xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), indices=rows,
                                          vocab_size=logits.shape[-1])
-    logits.index_copy_(0, rows, masked)
     return logits
