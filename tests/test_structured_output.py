@@ -223,3 +223,13 @@ def test_structured_output_needs_a_tokenizer(tiny_llama):
         engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(
             structured_output=StructuredOutput(json_object=True)))
     assert e.value.param == "response_format"
+
+
+def test_the_grammar_end_stops_a_request_that_ignores_eos(engine):
+    """ignore_eos keeps EOS from stopping a request, but a grammar at its end state allows nothing else:
+    the request stops there (as vLLM's), with the document complete, rather than run on to max_tokens."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    (out,) = run(engine, [[40, 41, 42]], [SamplingParams(max_tokens=100, temperature=0, ignore_eos=True,
+                                                           structured_output=grammar(schema))])
+    assert out.finish_reason == "stop" and len(out.token_ids) < 100
+    assert json.loads(out.text) in ({"ok": True}, {"ok": False})
