@@ -49,6 +49,16 @@ def add_tiny_tokenizer(src_model_dir: str, dst_dir: Path, vocab_size: int = 320)
     return str(dst_dir)
 
 
+def with_special_eos(src_dir: str, dst_dir: Path, eos: int = 257) -> str:
+    """A copy of a tiny model directory whose EOS is a special token (<|im_end|>, left out of the text), not
+    the random model's default, id 2, which the byte-level tokenizer decodes to '#'."""
+    shutil.copytree(src_dir, dst_dir, dirs_exist_ok=True)
+    config = json.loads((dst_dir / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (dst_dir / "config.json").write_text(json.dumps(config))
+    return str(dst_dir)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

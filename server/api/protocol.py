@@ -16,7 +16,8 @@ import json
 from typing import Annotated, Literal, TypeVar, Union
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError,
+                      field_validator, model_validator)
 
 
 def _number(value):
@@ -65,6 +66,31 @@ class StreamOptions(_Model):
     continuous_usage_stats: Bool = False  # vLLM: usage on every chunk
 
 
+class JsonSchemaFormat(_Model):
+    """OpenAI's `response_format.json_schema`. The schema is always enforced (`strict` or not), as vLLM does."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Str | None = None
+    schema_: dict | Bool | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Model):
+    """`{"type": "text"}` (the default), `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": ...}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("`json_schema` is required when type is json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"`json_schema` is given only with type json_schema, not {self.type}")
+        return self
+
+
 class _Common(_Model):
     model: Str | None = None  # None: the one served model
     max_tokens: Int | None = Field(default=None, ge=1)
@@ -88,6 +114,7 @@ class _Common(_Model):
     repetition_penalty: Float | None = Field(default=None, gt=0)
     min_tokens: Int = Field(default=0, ge=0)
     min_p: Float | None = Field(default=None, ge=0, le=1)
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod

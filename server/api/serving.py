@@ -12,6 +12,7 @@ waiting queue whatever the shape of the requests. Outputs of all choices are mer
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import uuid
@@ -27,6 +28,7 @@ from iterserve.server.api.protocol import (MAX_CHOICES, SEED_MAX, ChatCompletion
 from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.engine.structured_output import StructuredOutput
 from iterserve.server.errors import InvalidRequestError
 
 
@@ -206,6 +208,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                        param=prompt_param, code="invalid_value")
     job_id = f"{prefix}-{uuid.uuid4().hex}"
     logit_bias = _logit_bias(req, engine.vocab_size)
+    structured = _structured_output(state, req)
     choices = []
     for p_index, ids in enumerate(prompts):
         wanted = max_tokens if max_tokens is not None else (default_max_tokens or max_len - len(ids))
@@ -216,7 +219,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                            f"{len(ids) + wanted} tokens, over the context length (max_model_len) {max_len}",
                            param="max_tokens", code="context_length_exceeded")
         for i in range(req.n):
-            params = _sampling_params(req, wanted, i, top_logprobs, logit_bias)
+            params = _sampling_params(req, wanted, i, top_logprobs, logit_bias, structured)
             choice = Choice(p_index * req.n + i, f"{job_id}-{p_index * req.n + i}", p_index, ids, params)
             if i == 0:  # token ids, stops and priority are the same for every choice of a prompt
                 try:  # validates; queues nothing
@@ -232,7 +235,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
 
 
 def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None,
-                     logit_bias: dict[int, float]) -> SamplingParams:
+                     logit_bias: dict[int, float], structured: StructuredOutput | None) -> SamplingParams:
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     seed = req.seed
     if seed is not None and i:
@@ -256,7 +259,28 @@ def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None,
             logit_bias=logit_bias,
             min_tokens=req.min_tokens,
             min_p=float(req.min_p or 0.0),
+            structured_output=structured,
         )
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from None
+
+
+def _structured_output(state: ServerState, req) -> StructuredOutput | None:
+    """`response_format` -> what the engine enforces; the schema is checked here, before the engine sees it
+    (a check well under a millisecond; the core compiles it against the vocabulary)."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if state.engine.tokenizer is None:
+        raise APIError(400, "response_format: structured output needs the model's tokenizer; this model has none",
+                       param="response_format", code="invalid_value")
+    try:
+        if fmt.type == "json_object":
+            return StructuredOutput(json_object=True)
+        schema = fmt.json_schema.schema_
+        if schema is None:
+            schema = {}  # OpenAI's default: any JSON value
+        return StructuredOutput(json_schema=json.dumps(schema))
     except InvalidRequestError as e:
         raise from_invalid_request(e) from None
 

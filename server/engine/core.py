@@ -8,15 +8,19 @@ that finishes in a step gives its blocks back in that same step, so the next ste
 request into them. Requests, aborts and knob changes may come from other threads; they take effect at
 the next step. With prefix caching on, the blocks a step fills are findable from the moment it is
 scheduled; a step that fails leaves them without their K/V, so the whole prefix cache is forgotten.
+A request with structured output waits (others overtaking it) until its grammar compiled; each step it
+samples in gets its token mask (grammar_manager.py), and its matcher advances on the token it was given.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from iterserve.server.engine.block_manager import BlockManager
+from iterserve.server.engine.grammar_manager import GrammarManager
 from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
 from iterserve.server.engine.outputs import CoreOutput
 from iterserve.server.engine.request import Request, RequestStatus
@@ -25,6 +29,9 @@ from iterserve.server.engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:  # the engine does not import the runner: the runner is handed in
     from iterserve.server.runner.sampler import ModelRunnerOutput
+
+logger = logging.getLogger("iterserve.engine")
+_COMPILE_WAIT_S = 0.02  # an engine with nothing to run but compiling grammars checks on them this often
 
 
 class Runner(Protocol):
@@ -59,7 +66,9 @@ class EngineStats:
 class EngineCore:
     def __init__(self, model_runner: Runner, *, max_model_len: int, num_blocks: int, block_size: int,
                  knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(),
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, grammar: GrammarManager | None = None):
+        """grammar: compiles and runs the grammars of structured output (None: a model without a tokenizer,
+        whose requests cannot ask for it)."""
         if num_blocks * block_size < max_model_len:
             raise InvalidRequestError(
                 "kv_cache_memory",
@@ -71,13 +80,23 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         self.knobs = LiveKnobs(knobs)
-        self.scheduler = Scheduler(self.block_manager, self.knobs, policy)
+        self.grammar = grammar
+        is_ready = None
+        if grammar is not None:
+            def is_ready(req: Request) -> bool:
+                return req.sampling_params.structured_output is None or grammar.ready(req.request_id)
+        self.scheduler = Scheduler(self.block_manager, self.knobs, policy, is_ready)
         self.stats = EngineStats()
 
     # -- requests (any thread) -------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
         """Queue a validated request; it joins the batch at a later step."""
+        spec = req.sampling_params.structured_output
+        if spec is not None:
+            if self.grammar is None:  # the frontend refuses these; a request must never run unconstrained
+                raise InvalidRequestError("structured_output", "this engine has no tokenizer to build grammars")
+            self.grammar.add(req.request_id, spec)
         self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
@@ -102,7 +121,20 @@ class EngineCore:
     # -- the loop (engine thread) ----------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:
+        if self.grammar is not None and self.grammar.num_live:
+            for request_id, reason in self.grammar.take_failures():
+                logger.error("request %s: its grammar failed to compile (%s); aborting it", request_id, reason)
+                self.abort_request(request_id)
         scheduler_output = self.scheduler.schedule()
+        # checked after scheduling: a request added meanwhile (another thread) was counted before it could be
+        grammar = self.grammar if self.grammar is not None and self.grammar.num_live else None
+        if grammar is not None:
+            grammar.free(scheduler_output.finished_request_ids)  # aborted ones among them
+            scheduler_output.grammar_bitmask = grammar.bitmask(
+                [s.request_id for s in scheduler_output.scheduled
+                 if s.sampling_params is not None and s.sampling_params.structured_output is not None])
+            if scheduler_output.is_empty and not self.scheduler.aborted:
+                grammar.wait_for_compiles(_COMPILE_WAIT_S)  # all that is left is compiling: do not spin
         try:
             runner_output = self.model_runner.execute_model(scheduler_output)
         except BaseException:
@@ -112,6 +144,7 @@ class EngineCore:
 
     def _update(self, out: SchedulerOutput, sampled) -> list[CoreOutput]:
         outputs = [_finished_output(r) for r in self.scheduler.aborted]
+        grammar = self.grammar if out.grammar_bitmask is not None else None  # only this step's rows have one
         num_sampled = 0
         for s in out.scheduled:
             if s.sampling_params is None:
@@ -125,8 +158,12 @@ class EngineCore:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             status = self._stop_status(req, token)
+            if grammar is not None and grammar.accept(req.request_id, token) and status is None:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar reached its end state
             if status is not None:
                 self.scheduler.finish_request(req, status)
+                if grammar is not None:
+                    grammar.free((req.request_id,))  # now, not at the next step: the engine may go idle
             outputs.append(CoreOutput(
                 req.request_id, [token], req.finish_reason, req.stop_reason,
                 None if logprob is None else [logprob], None if top is None else [top],

@@ -37,6 +37,8 @@ class EngineCoreLoop:
         self.channel = channel
         self.parent_pid = parent_pid  # exit when this process is no longer our parent
         self.num_step_failures = 0
+        if core.grammar is not None:
+            core.grammar.warm_up()  # a served model gets its grammar compiler ready before the first request
 
     def run(self) -> None:
         core = self.core

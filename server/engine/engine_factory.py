@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from iterserve.server.config import EngineConfig, parse_memory
 from iterserve.server.engine.core import EngineCore
+from iterserve.server.engine.grammar_manager import GrammarManager
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.errors import InvalidRequestError
 from iterserve.server.model.cpu_linear import cpu_has_native_bf16
@@ -118,7 +119,8 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
         )
     core = EngineCore(runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=config.block_size,
                       knobs=config.initial_knobs(), policy=config.policy, eos_token_ids=eos_token_ids,
-                      enable_prefix_caching=config.enable_prefix_caching)
+                      enable_prefix_caching=config.enable_prefix_caching,
+                      grammar=None if tokenizer is None else GrammarManager(tokenizer, mc.vocab_size, eos_token_ids))
     runner.allocate_kv_cache(num_blocks)
     report = (
         f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} tokens, "

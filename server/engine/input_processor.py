@@ -32,6 +32,9 @@ class InputProcessor:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        if params.structured_output is not None and self.tokenizer is None:
+            raise InvalidRequestError("response_format", "structured output needs the model's tokenizer (its "
+                                      "vocabulary is what the grammar masks); this model has none")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
         return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling_params=params,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from iterserve.server.engine.core import EngineCore
+from iterserve.server.engine.grammar_manager import GrammarManager
 from iterserve.server.engine.input_processor import InputProcessor
 from iterserve.server.engine.knobs import SchedulerKnobs
 from iterserve.server.engine.output_processor import OutputProcessor
@@ -27,7 +28,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True):
         core = EngineCore(model_runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                           knobs=knobs, policy=policy, eos_token_ids=eos_token_ids,
-                          enable_prefix_caching=enable_prefix_caching)
+                          enable_prefix_caching=enable_prefix_caching,
+                          grammar=None if tokenizer is None else GrammarManager(tokenizer, vocab_size, eos_token_ids))
         self._wrap(core, tokenizer, vocab_size)
 
     @classmethod

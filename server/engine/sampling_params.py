@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from iterserve.server.engine.structured_output import StructuredOutput
 from iterserve.server.errors import InvalidRequestError
 
 GREEDY_BELOW = 1e-5
@@ -31,6 +32,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
     min_p: float = 0.0  # drop tokens less probable than min_p x the most probable one
+    # the output must match this grammar (a JSON schema, or any JSON object): tokens it does not allow are
+    # masked before the choice, and the request stops when the grammar ends
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

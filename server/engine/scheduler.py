@@ -23,11 +23,15 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from iterserve.server.engine.block_manager import BlockManager
 from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
 from iterserve.server.engine.request import Request, RequestStatus
 from iterserve.server.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from iterserve.server.engine.grammar_manager import GrammarBitmask
 
 POLICIES = ("continuous", "static")
 
@@ -64,6 +68,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # requests preempted in this step; their blocks are already back in the pool
     preempted_request_ids: list[str] = field(default_factory=list)
+    # the token masks of the sampling requests with a grammar (set by the engine core after scheduling)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -71,12 +77,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, knobs: LiveKnobs, policy: str = "continuous"):
+    def __init__(self, block_manager: BlockManager, knobs: LiveKnobs, policy: str = "continuous",
+                 is_ready: Callable[[Request], bool] | None = None):
+        """is_ready: whether a waiting request may be admitted yet (its grammar compiled); one that may not
+        is passed over, not waited for."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.block_manager = block_manager
         self.knobs = knobs
         self.policy = policy
+        self.is_ready = is_ready
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # in admission order; the newest is preempted first
         self.num_preemptions = 0
@@ -191,7 +201,8 @@ class Scheduler:
         idx = 0
         while idx < len(self.waiting) and budget > 0 and len(self.running) < knobs.max_num_seqs:
             req = self.waiting[idx]
-            if self.policy == "static" and req.request_id not in self._static_batch:
+            if (self.policy == "static" and req.request_id not in self._static_batch) or (
+                    self.is_ready is not None and not self.is_ready(req)):
                 idx += 1
                 continue
             cached = bm.find_cached_prefix(req.request_id, req.token_ids)

@@ -12,6 +12,7 @@ down and the process exits 0. A second SIGTERM, or SIGINT, stops at once (uvicor
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
@@ -82,6 +83,11 @@ def build_server_state(engine, model_name: str, *, max_queue: int | None = None,
     state = ServerState(engine, model_name, max_queue=max_queue, api_key=api_key, admin_token=admin_token,
                         limits=limits or ServerLimits(), scheduling_policy=scheduling_policy)
     state.metrics = Metrics(engine, model_name)
+    if engine.tokenizer is not None:
+        # the schema checks of response_format need xgrammar, whose import takes seconds (it brings
+        # transformers): now, on this thread (not in the first request that asks, nor on a second thread,
+        # where an import racing the main thread's can hang)
+        importlib.import_module("xgrammar")
     return state
 
 

@@ -2,12 +2,14 @@
 presence penalties over its tokens so far, then `logit_bias`, then the ban on EOS and stop tokens until
 `min_tokens` were generated. Only the rows of requests that ask for any of it are touched, on a copy:
 the raw logits stay what logprobs report (as vLLM's default), and a batch without processing pays nothing.
-`min_p` belongs to the random draw and lives in the sampler."""
+`min_p` belongs to the random draw and lives in the sampler. Last, the grammar masks of structured output:
+one bitmask for the whole batch, applied to the rows that have a grammar (a batch without any skips it)."""
 
 from __future__ import annotations
 
 import torch
 
+from iterserve.server.engine.grammar_manager import GrammarBitmask
 from iterserve.server.engine.scheduler import ScheduledRequest
 
 
@@ -47,3 +49,21 @@ def process_row(row: torch.Tensor, p, token_ids: list[int], num_prompt_tokens: i
         if banned:
             row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
     return row
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, raw_logits: torch.Tensor, sampling: list[ScheduledRequest],
+                          grammar: GrammarBitmask) -> torch.Tensor:
+    """Set to -inf every token a row's grammar does not allow, in the rows of `grammar.request_ids`, in place
+    (xgrammar's kernel: C++ on CPU, Triton on CUDA); on a copy only when the logits are the raw ones and a
+    row reports logprobs, which come from them."""
+    import xgrammar
+
+    row_of = {s.request_id: i for i, s in enumerate(sampling)}
+    rows = [row_of[r] for r in grammar.request_ids]
+    if logits is raw_logits and any(s.sampling_params.logprobs for s in sampling):
+        logits = logits.clone()
+    full = torch.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=torch.int32)  # -1: all allowed
+    full[rows] = grammar.bitmask
+    xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), indices=rows,
+                                         vocab_size=logits.shape[-1])
+    return logits

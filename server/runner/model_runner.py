@@ -17,7 +17,7 @@ from iterserve.server.model.cpu_linear import onednn_packing_supported
 from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.runner.backends import make_backend, num_sms
-from iterserve.server.runner.logits_processors import process_logits
+from iterserve.server.runner.logits_processors import apply_grammar_bitmask, process_logits
 from iterserve.server.runner.sampler import EMPTY_OUTPUT, ModelRunnerOutput, sample
 from iterserve.server.runner.step_inputs import step_layout, to_step_inputs
 
@@ -117,6 +117,9 @@ class ModelRunner:
         if not layout.sampling:
             return EMPTY_OUTPUT
         logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
-        return sample(process_logits(logits, layout.sampling, self.eos_token_ids),
+        processed = process_logits(logits, layout.sampling, self.eos_token_ids)
+        if out.grammar_bitmask is not None:
+            processed = apply_grammar_bitmask(processed, logits, layout.sampling, out.grammar_bitmask)
+        return sample(processed,
                       [s.request_id for s in layout.sampling], [s.sampling_params for s in layout.sampling],
                       self.generators, raw_logits=logits)
