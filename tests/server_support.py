@@ -132,9 +132,12 @@ def wait_idle(url: str, timeout: float = 60.0) -> str:
 
 
 def start_subprocess(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`iterserve serve` in fp32 unless `args` name a --dtype: the tests size KV pools in bytes for fp32
+    blocks (a pool that must preempt, a usage the scrape must see), and "auto" is bf16 on CPUs with it."""
     port = free_port()
+    dtype = [] if any(a == "--dtype" or a.startswith("--dtype=") for a in args) else ["--dtype", "float32"]
     cmd = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning", *args]
+           "--port", str(port), "--log-level", "warning", *dtype, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
