@@ -107,7 +107,9 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def measure(name: str, args, model_dir: Path, log_dir: Path) -> dict:
-    server = Server(name, model_dir, args.max_model_len, args.threads, log_dir, args.iterserve_args.split(),
+    ours = name in args.iterserve_configs
+    server = Server("iterserve" if ours else name, model_dir, args.max_model_len, args.threads, log_dir,
+                    args.iterserve_configs[name].split() if ours else [],
                     dtype=args.dtype)
     try:
         startup = server.wait_ready()
@@ -142,13 +144,21 @@ def main() -> None:
                     help="both servers' --dtype; auto: each engine's own default")
     ap.add_argument("--vllm-configs", default=",".join(VLLM_SERVED_CONFIGS), help="comma list; empty: none")
     ap.add_argument("--iterserve-args", default="", help="extra `iterserve serve` flags, e.g. knobs")
+    ap.add_argument("--iterserve-config", action="append", default=[], metavar="LABEL=FLAGS",
+                    help="another iterserve configuration to run beside the defaults, e.g. "
+                         "'budget-2048=--max-num-batched-tokens 2048'; repeatable")
     ap.add_argument("--out", help="write every run's summaries to this JSON file")
     args = ap.parse_args()
     if not INSTALLED_MARKER.exists():
         sys.exit("no vLLM venv: run `python benchmarks/peer_vllm.py --install` first")
 
     model_dir = prepare_hf_model()
-    names = ["iterserve", *(f"vllm {c}" for c in args.vllm_configs.split(",") if c)]
+    args.iterserve_configs = {"iterserve": args.iterserve_args}
+    for spec in args.iterserve_config:
+        label, _, flags = spec.partition("=")
+        args.iterserve_configs[f"iterserve {label}"] = f"{args.iterserve_args} {flags}"
+    ours_names = list(args.iterserve_configs)
+    names = [*ours_names, *(f"vllm {c}" for c in args.vllm_configs.split(",") if c)]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     print(f"{args.workload} workload, seed {args.seed}: {args.requests} requests at concurrency "
           f"{args.concurrency}, then {args.c1_requests} at concurrency 1; max_model_len {args.max_model_len}, "
@@ -159,7 +169,7 @@ def main() -> None:
                 r = measure(name, args, model_dir, Path(tmp))
                 runs[name].append(r)
                 line = "  ".join(f"{label} {figure(r['loaded'], path):7.1f}" for label, path in FIGURES)
-                print(f"  round {round_no}  {name:<14} {line}  | c=1 TPOT p50 "
+                print(f"  round {round_no}  {name:<22} {line}  | c=1 TPOT p50 "
                       f"{figure(r['single'], ('tpot_ms', 'p50')):6.1f} ms  (failed {r['loaded']['num_failed']}, "
                       f"start-up {r['startup_s']:.0f} s)", flush=True)
 
@@ -168,15 +178,17 @@ def main() -> None:
     for n, rs in runs.items():
         med[n]["c=1 TPOT p50"] = statistics.median(figure(r["single"], ("tpot_ms", "p50")) for r in rs)
     labels = list(med["iterserve"])
+    width = max(14, *(len(n) + 1 for n in names))
     print(f"\nmedians over {args.repeats} rounds (latencies in ms)")
-    print(f"  {'':<14}" + "".join(f"{label:>14}" for label in labels))
+    print(f"  {'':<{width}}" + "".join(f"{label:>14}" for label in labels))
     for n in names:
-        print(f"  {n:<14}" + "".join(f"{med[n][label]:14.1f}" for label in labels))
-    best = max((n for n in names if n != "iterserve"), key=lambda n: med[n]["out tok/s"], default=None)
+        print(f"  {n:<{width}}" + "".join(f"{med[n][label]:14.1f}" for label in labels))
+    best = max((n for n in names if n not in ours_names), key=lambda n: med[n]["out tok/s"], default=None)
     if best is not None:
-        ours, theirs = med["iterserve"], med[best]
-        print(f"  {'ours / best':<14}" + "".join(f"{ours[label] / theirs[label]:13.2f}x" for label in labels)
-              + f"   (vLLM's best: {best})")
+        print(f"ratios to vLLM's best ({best}):")
+        for n in ours_names:
+            ours, theirs = med[n], med[best]
+            print(f"  {n:<{width}}" + "".join(f"{ours[label] / theirs[label]:13.2f}x" for label in labels))
         print("  targets: out tok/s >= 1.25x; TTFT and TPOT p50/p99 and c=1 TPOT <= 1.00x")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "date": time.strftime("%Y-%m-%d"),
