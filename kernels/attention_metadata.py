@@ -24,8 +24,10 @@ class AttentionMetadata:
     # which reads no padding; for the gather + SDPA path a few padded batches of similar context
     # length, so little of the gathered K/V is padding.
     single_groups: list[SingleQueryGroup]
-    # Multi-query requests (prefill chunks), attended one by one.
+    # Multi-query requests (prefill chunks): one by one on the gather + SDPA path, and all together
+    # (`prefill`, the same requests as flat tables) in the C++ kernel when it serves
     multi: list[MultiQuery]
+    prefill: PrefillBatch | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -62,11 +64,25 @@ class SingleQueryGroup:
 class MultiQuery:
     start: int  # index of its first query token in the flattened step
     num_query: int
-    # [ceil(context_len / block_size)] the request's blocks, and the [num_query, context_len] causal
-    # mask; both None when the chunk is the whole context (a fresh prefill): its own K/V then serve
-    # directly, with a plain causal mask, without reading the cache back
+    # [ceil(context_len / block_size)] the request's blocks; None when the chunk is the whole context (a
+    # fresh prefill): its own K/V then serve directly, with a plain causal mask, without reading the
+    # cache back
     context_blocks: torch.Tensor | None
-    mask: torch.Tensor | None
+    context_len: int = 0  # tokens before the chunk + the chunk
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[num_query, context_len] causal mask of a chunk after earlier context (None for a fresh
+        prefill). Only the gather + SDPA path reads it: made on first use and shared by the layers."""
+        if self.context_blocks is None:
+            return None
+        if self._mask is None:
+            device = self.context_blocks.device
+            first = self.context_len - self.num_query
+            positions = torch.arange(first, self.context_len, device=device)
+            self._mask = torch.arange(self.context_len, device=device)[None, :] <= positions[:, None]
+        return self._mask
 
 
 # -- the Triton backend's metadata: flat int32 tensors the kernels index directly --------------------

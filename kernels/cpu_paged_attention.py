@@ -30,6 +30,10 @@ ENV_VAR = "ITERSERVE_CPU_ATTENTION"
 
 _extension = CppExtension("iterserve_paged_decode_attention", "paged_decode_attention.cpp", ENV_VAR,
                           "C++ CPU paged attention")
+# Prefill chunks: torch's SDPA on CPU ran head_dim-64 attention at ~90 GFLOP/s on two cores, which made
+# attention more than half of a long prompt's prefill in bf16 (its linears run at ~900).
+_prefill_extension = CppExtension("iterserve_paged_prefill_attention", "paged_prefill_attention.cpp", ENV_VAR,
+                                  "C++ CPU paged prefill attention")
 
 
 def available() -> bool:
@@ -38,6 +42,11 @@ def available() -> bool:
     The first call builds (or loads the cached build), which takes a while; later calls are cheap.
     """
     return _extension.available()
+
+
+def prefill_available() -> bool:
+    """Whether the prefill kernel serves (as `available()`, for csrc/paged_prefill_attention.cpp)."""
+    return _prefill_extension.available()
 
 
 SERVED_DTYPES = (torch.float32, torch.bfloat16)
@@ -70,3 +79,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     head_dim]. CPU, all float32 or all bfloat16; call only when `serves(k, k_cache)`."""
     assert _extension.module is not None, "write_kv called before available() returned True"
     _extension.module.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            query_start: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
+                            block_tables: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of a step's multi-query requests, straight from the paged cache, into `out`.
+
+    q, out: [num_tokens, num_heads, head_dim] (q's rows may be strided; out contiguous); request j's
+    queries are rows [query_start[j], query_start[j] + query_lens[j]), the last query_lens[j] of its
+    context_lens[j] tokens, whose K/V (already written) the caches hold through block_tables[j]. Only
+    those rows of `out` are written. Call only when `serves(q, k_cache)` and `prefill_available()`.
+    """
+    assert _prefill_extension.module is not None, "paged_prefill_attention called before prefill_available()"
+    _prefill_extension.module.paged_prefill_attention(q, k_cache, v_cache, query_start, query_lens, context_lens,
+                                                      block_tables, block_size, scale, out)

@@ -3,8 +3,9 @@
 K/V live in a flat slot-indexed cache per layer, [num_blocks * block_size, num_kv_heads, head_dim];
 a request's context is gathered through its block table, one whole block (a contiguous row of the
 cache viewed as [num_blocks, block_size * num_kv_heads * head_dim]) per index. On the CPU in float32 or
-bfloat16, single-query requests go to the C++ kernel of cpu_paged_attention.py instead, which reads the
-cache in place; the gather + SDPA below stays as its reference and its fallback.
+bfloat16, single-query requests go to the C++ decode kernel of cpu_paged_attention.py instead, and
+multi-query ones (prefill chunks) all together to its prefill kernel; both read the cache in place. The
+gather + SDPA below stays as their reference and their fallback.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         g = meta.single_groups[0]
         return cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, g.context_blocks, g.context_lens,
                                                           meta.block_size, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: q is a strided view
 
     k_blocks = k_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
     v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
@@ -64,6 +65,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.context_mask, scale=scale)
         out.index_copy_(0, g.token_index, o.reshape(batch, num_heads, head_dim))
 
+    if use_kernel and meta.prefill is not None and cpu_paged_attention.prefill_available():
+        p = meta.prefill  # every multi-query request in one call, straight from the cache
+        cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, p.query_start, p.query_lens,
+                                                    p.context_lens, p.block_tables, meta.block_size, scale, out)
+        return out
     for mq in meta.multi:
         # [1, heads, n, dim]: with a batch dimension (and GQA left to SDPA rather than repeated K/V heads)
         # torch's CPU SDPA takes its flash kernel even with a mask; 3-D inputs fell to the math path,

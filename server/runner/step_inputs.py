@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from iterserve.kernels import cpu_paged_attention
-from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery, SingleQueryGroup
+from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery, PrefillBatch, SingleQueryGroup
 from iterserve.server.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -121,21 +121,27 @@ def build_torch_metadata(layout: StepLayout, device: torch.device) -> AttentionM
         ))
 
     multi_queries = []
-    for i in np.flatnonzero(num_new > 1).tolist():
+    multi = np.flatnonzero(num_new > 1)
+    for i in multi.tolist():
         start, n, c = int(starts[i]), int(num_new[i]), int(computed[i])
-        if c == 0:
-            multi_queries.append(MultiQuery(start, n, None, None))
-            continue
-        blocks = np.ascontiguousarray(tables[i, : -(-(c + n) // bs)])
-        mask = np.arange(c + n)[None, :] <= (c + np.arange(n))[:, None]
-        multi_queries.append(
-            MultiQuery(start, n, torch.from_numpy(blocks).to(device), torch.from_numpy(mask).to(device))
+        blocks = None if c == 0 else torch.from_numpy(np.ascontiguousarray(tables[i, : -(-(c + n) // bs)])).to(device)
+        multi_queries.append(MultiQuery(start, n, blocks, c + n))
+    prefill = None
+    if len(multi) and not padded:  # the C++ kernel serves: every multi-query request in one call
+        width = -(-int(ends[multi].max()) // bs)
+        prefill = PrefillBatch(
+            query_start=torch.from_numpy(starts[multi]).to(device),
+            query_lens=torch.from_numpy(num_new[multi]).to(device),
+            context_lens=torch.from_numpy(ends[multi]).to(device),
+            block_tables=torch.from_numpy(np.ascontiguousarray(tables[multi, :width])).to(device),
+            max_query_len=int(num_new[multi].max()),
         )
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(layout.slots).to(device),
         block_size=bs,
         single_groups=single_groups,
         multi=multi_queries,
+        prefill=prefill,
     )
 
 
