@@ -1,11 +1,16 @@
 """The C++ CPU prefill-attention kernel (every multi-query request of a step in one call, causal, straight
 from the paged cache), in float32 and bfloat16, against a per-request float64 computation and against the
-torch path's gather + SDPA inside `paged_attention`."""
+torch path's gather + SDPA inside `paged_attention`.
+
+In bf16 with head_dim a multiple of 32, on a CPU with AVX512-BF16, the kernel multiplies p.V with p
+rounded to bf16, as torch's bf16 SDPA does (and vLLM's CPU attention): its error is held to SDPA's on the
+same inputs. Elsewhere its output is the fp32 result rounded once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery, PrefillBatch, SingleQueryGroup
@@ -72,6 +77,28 @@ def _reference(q, k_cache, v_cache, batch, block_size, scale):
     return out
 
 
+def _torch_bf16_sdpa(q, k_cache, v_cache, batch, block_size, scale):
+    """torch's own bf16 attention of each request (its CPU flash kernel), the bar for the kernel's bf16 error."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for j in range(len(batch.query_start)):
+        s, n, c = int(batch.query_start[j]), int(batch.query_lens[j]), int(batch.context_lens[j])
+        pos = torch.arange(c)
+        slots = batch.block_tables[j, pos // block_size] * block_size + pos % block_size
+        causal = pos[None, :] <= torch.arange(c - n, c)[:, None]
+        o = F.scaled_dot_product_attention(q[s : s + n].transpose(0, 1)[None], k_cache[slots].transpose(0, 1)[None],
+                                           v_cache[slots].transpose(0, 1)[None], attn_mask=causal, scale=scale,
+                                           enable_gqa=True)
+        out[s : s + n] = o[0].transpose(0, 1).double()
+    return out
+
+
+def assert_as_close_as_torch(out, expected, torch_out):
+    """bf16 `out` is no further from `expected` than torch's bf16 attention, on average and at worst."""
+    err, torch_err = (out.double() - expected).abs(), (torch_out - expected).abs()
+    assert err.mean() <= 1.1 * torch_err.mean(), (err.mean().item(), torch_err.mean().item())
+    assert err.max() <= 1.5 * torch_err.max(), (err.max().item(), torch_err.max().item())
+
+
 def _run(q, k_cache, v_cache, batch, block_size, scale):
     out = torch.full(q.shape, 7.0, dtype=q.dtype)  # rows the kernel must not touch keep their 7s
     cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, batch.query_start, batch.query_lens,
@@ -94,7 +121,7 @@ def test_fp32_matches_the_reference(kernel, block_size, group, head_dim):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_bf16_is_the_reference_rounded_once(kernel, block_size, head_dim, threads):
+def test_bf16_is_as_close_as_torch_or_the_reference_rounded_once(kernel, block_size, head_dim, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -103,7 +130,12 @@ def test_bf16_is_the_reference_rounded_once(kernel, block_size, head_dim, thread
     finally:
         torch.set_num_threads(before)
     assert out.dtype == torch.bfloat16 and torch.equal(out[:3], torch.full_like(out[:3], 7.0))
-    assert_rounded_once_to_bf16(out[3:], _reference(q, k_cache, v_cache, batch, block_size, 0.125)[3:], atol=1e-5)
+    expected = _reference(q, k_cache, v_cache, batch, block_size, 0.125)
+    if head_dim % 32:
+        assert_rounded_once_to_bf16(out[3:], expected[3:], atol=1e-5)
+    else:
+        assert_as_close_as_torch(out[3:], expected[3:],
+                                 _torch_bf16_sdpa(q, k_cache, v_cache, batch, block_size, 0.125)[3:])
 
 
 def _mixed_step(block_size, dtype):
@@ -153,9 +185,9 @@ def test_paged_attention_takes_the_kernel_and_agrees_with_the_torch_path(kernel,
     if dtype == torch.float32:
         torch.testing.assert_close(outs[0].double(), expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(outs[1].double(), expected, atol=1e-5, rtol=1e-5)
-    else:
-        assert_rounded_once_to_bf16(outs[0], expected, atol=1e-5)
+    else:  # the torch path is torch's bf16 SDPA
         torch.testing.assert_close(outs[1].double(), expected, atol=1e-2, rtol=1e-2)
+        assert_as_close_as_torch(outs[0], expected, outs[1].double())
 
 
 def test_kernel_refuses_bad_inputs(kernel):
