@@ -32,8 +32,11 @@ _extension = CppExtension("iterserve_paged_decode_attention", "paged_decode_atte
                           "C++ CPU paged attention")
 # Prefill chunks: torch's SDPA on CPU ran head_dim-64 attention at ~90 GFLOP/s on two cores, which made
 # attention more than half of a long prompt's prefill in bf16 (its linears run at ~900).
-_prefill_extension = CppExtension("iterserve_paged_prefill_attention", "paged_prefill_attention.cpp", ENV_VAR,
-                                  "C++ CPU paged prefill attention")
+# ITERSERVE_CPU_PREFILL_ATTENTION=torch turns this one off alone (the A/B of the prefill kernel);
+# ITERSERVE_CPU_ATTENTION=torch turns off both.
+PREFILL_ENV_VAR = "ITERSERVE_CPU_PREFILL_ATTENTION"
+_prefill_extension = CppExtension("iterserve_paged_prefill_attention", "paged_prefill_attention.cpp",
+                                  PREFILL_ENV_VAR, "C++ CPU paged prefill attention")
 
 
 def available() -> bool:
