@@ -76,4 +76,4 @@ def fleet_of(record: TuningRecord, tuning: TuningPolicy, replicas: int, ready: i
     reading = read(obs, tuning) if obs is not None and obs.num_samples >= tuning.min_samples else None
     return Fleet(replicas=replicas, ready=ready, obs=obs, reading=reading, verdict=record.decision.tuned,
                  tuner_action=record.decision.action, knobs_fixed=tuning.mode != "auto",
-                 batch_cap=record.knobs.max_num_seqs, conflicts=conflicts)
+                 batch_cap=record.knobs.max_num_seqs, knobs=record.knobs, conflicts=conflicts)

@@ -40,9 +40,11 @@ class ScalePolicy:
     settle_s: float = 60.0  # after a change, a window measured entirely after it (the tuner's window)
     headroom_line: float = 0.8  # worst p99 / SLO under which the fleet has headroom (the tuner's line)
     margin: float = 0.2  # a scale-in must leave each pod under (1 - margin) of its capacity and batch cap
-    queue_windows: int = 3  # consecutive rising readings of the waiting queue that count as growing
+    queue_windows: int = 2  # consecutive rising readings of the waiting queue that count as growing...
+    queue_growth: float = 0.1  # ... when it grows by at least this share of the completion rate
     pod_start_s: float = 600.0  # how long pods added by a scale-out are waited for before adding more
-    max_factor: float = 2.0  # one scale-out at most multiplies the fleet by this
+    max_factor: float = 2.0  # one scale-out at most multiplies the fleet by this (or adds max_step pods)
+    max_step: int = 4
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Fleet:
     tuner_action: str  # the tuner's action this tick
     knobs_fixed: bool = False  # tuning mode observe: the tuner recommends but moves nothing
     batch_cap: int = 0  # max_num_seqs in force on each pod
+    knobs: object = None  # the knobs in force (any comparable value): a capacity learned under others is stale
     conflicts: tuple[str, ...] = ()  # HorizontalPodAutoscalers that target the same service
 
 
@@ -71,6 +74,8 @@ class ScaleState:
     starting: bool = False  # pods a scale-out added have not all been ready yet
     whole_since: float | None = None  # when they all were
     capacity: float | None = None  # requests per second one pod finishes at the edge of the SLO
+    capacity_knobs: object = None  # the knobs it was learned under
+    goal: int | None = None  # what the last scale-out's evidence asked for, beyond its step limit
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,15 @@ class Tick:
     @cached_property
     def growth(self) -> float | None:
         """Requests added to the fleet's queue per second over the last `queue_windows` readings, when each
-        was higher than the one before and the last is at least half a request per pod; else None."""
-        q = self.queue
-        if (len(q) < self.policy.queue_windows or any(b[1] <= a[1] for a, b in zip(q, q[1:]))
+        was higher than the one before, the last is at least half a request per pod and the growth is at
+        least `queue_growth` of the completions (arrivals outrun the fleet, not a noisy gauge); else None."""
+        q, p = self.queue, self.policy
+        if (len(q) < p.queue_windows or any(b[1] <= a[1] for a, b in zip(q, q[1:]))
                 or q[-1][1] < max(1.0, 0.5 * self.n)):
             return None
-        return (q[-1][1] - q[0][1]) / max(q[-1][0] - q[0][0], 1e-9)
+        growth = (q[-1][1] - q[0][1]) / max(q[-1][0] - q[0][0], 1e-9)
+        rate = self.fleet.obs.request_rate if self.fleet.obs is not None else 0.0
+        return growth if growth >= p.queue_growth * rate else None
 
     @cached_property
     def exhausted(self) -> bool:
@@ -120,14 +128,17 @@ class Tick:
 
     @cached_property
     def headroom(self) -> bool:
-        """Both p99s under the headroom line with nothing waiting, or a quiet fleet (too few requests to
-        measure and none waiting)."""
+        """The SLO met with TTFT under the headroom line and next to nothing waiting, or a quiet fleet (too
+        few requests to measure, none waiting). TTFT is what queueing moves as the load per pod grows;
+        ITL moves mostly with the knobs (the chunk riding along), so it must only be met: whether one pod
+        fewer would still fit is `scale_in`'s capacity test."""
         f = self.fleet
         if f.obs is None or f.obs.queued >= 0.5 * max(f.replicas, 1) or f.obs.preemption_rate > 0:
             return False
         if f.reading is None:
             return True
-        return f.reading.score <= self.policy.headroom_line and f.reading.trouble is None
+        r = f.reading
+        return r.met and r.ttft <= self.policy.headroom_line and r.trouble is None
 
     @cached_property
     def per_pod_rate(self) -> float:
@@ -147,17 +158,28 @@ class Tick:
             return st
         pressure = self.exhausted or self.growth is not None
         capacity = st.capacity
+        if capacity is not None and st.capacity_knobs != f.knobs:
+            capacity = None  # the tuner has moved the knobs since: what one pod carries is known no more
         if capacity is not None and f.reading is not None and f.reading.met and self.per_pod_rate > capacity:
             capacity = self.per_pod_rate
         return dataclasses.replace(
-            st, capacity=capacity,
+            st, capacity=capacity, capacity_knobs=f.knobs if capacity is not None else None,
             pressure_since=(st.pressure_since if st.pressure_since is not None else now) if pressure else None,
             headroom_since=(st.headroom_since if st.headroom_since is not None else now) if self.headroom else None)
 
-    def scale(self, action: str, target: int, reason: str, capacity: float | None = None) -> ScaleDecision:
+    def step_limit(self, n: int) -> int:
+        p = self.policy
+        return min(max(math.floor(n * p.max_factor), n + p.max_step), p.max_replicas)
+
+    def scale(self, action: str, target: int, reason: str, capacity: float | None = None,
+              goal: int | None = None) -> ScaleDecision:
+        # headroom outlives a scale-in (the next one needs only a window measured after it, and the load
+        # to fit one pod fewer again), not a scale-out
+        learned = {} if capacity is None else {"capacity": capacity, "capacity_knobs": self.fleet.knobs}
         st = dataclasses.replace(self.s, last_scale_time=self.now, last_direction=action, pressure_since=None,
-                                 headroom_since=None, queue=(), starting=action == SCALE_OUT,
-                                 capacity=self.s.capacity if capacity is None else capacity)
+                                 headroom_since=self.s.headroom_since if action == SCALE_IN else None,
+                                 queue=(), starting=action == SCALE_OUT,
+                                 goal=goal if goal is not None and goal > target else None, **learned)
         why = f"{self.n} -> {target} replicas: {reason}"
         return ScaleDecision(action, target, why, Condition("True", "ScaledOut" if action == SCALE_OUT
                                                             else "ScaledIn", why), st)
@@ -200,6 +222,17 @@ def nothing_read(t: Tick) -> ScaleDecision | None:
                                                               f"{t.n} replicas: no pod's metrics could be read"))
 
 
+def toward_goal(t: Tick) -> ScaleDecision | None:
+    """The last scale-out's evidence asked for more pods than one step may add: the next tick adds the
+    next step, without waiting for the pods of the first (Kubernetes' HPA limits its rate the same way)."""
+    goal = t.state.goal
+    if goal is None or t.state.last_direction != SCALE_OUT or goal <= t.n:
+        return None
+    target = min(goal, t.step_limit(t.n))
+    return t.scale(SCALE_OUT, target, f"on the way to the {goal} replicas the last scale-out's evidence asked for",
+                   goal=goal)
+
+
 def pods_starting(t: Tick) -> ScaleDecision | None:
     """Pods a scale-out added are still starting (loading a model takes minutes): adding more on the same
     evidence would overshoot. Waited for at most `pod_start_s`, so pods that never start (no room on the
@@ -226,9 +259,11 @@ def settling(t: Tick) -> ScaleDecision | None:
 
 
 def scale_out(t: Tick) -> ScaleDecision | None:
-    """Pressure held for the scale-up window: add pods. A growing queue says by how much (arrivals are
-    the completions plus the queue's growth, and the fleet grows in that ratio); a breach at the end of
-    the knobs by how far the worst p99 is over (one pod at least). At most `max_factor` times the fleet."""
+    """Pressure held for the scale-up window: add pods. A growing queue says by how much: arrivals are
+    the completions plus the queue's growth, and the fleet grows in the ratio of arrivals plus what drains
+    the queue within a window to completions; a breach at the end of the knobs by how far the worst p99 is
+    over (one pod at least). At most `max_factor` times the fleet or `max_step` pods more, whichever is
+    more (Kubernetes' HPA's default limit)."""
     s, p, f = t.s, t.policy, t.fleet
     if s.pressure_since is None or t.now - s.pressure_since < p.scale_up_window_s:
         if s.pressure_since is not None:
@@ -238,7 +273,8 @@ def scale_out(t: Tick) -> ScaleDecision | None:
     n, target, why = t.n, t.n + 1, []
     if t.growth is not None:
         rate = f.obs.request_rate
-        need = math.ceil(n * (rate + t.growth) / rate) if rate > 0 else n + 1
+        drain = f.obs.queued / p.settle_s if p.settle_s > 0 else 0.0
+        need = math.ceil(n * (rate + t.growth + drain) / rate) if rate > 0 else n + 1
         target = max(target, need)
         why.append(f"the waiting queue grew {t.growth:.2f} requests/s over {p.queue_windows} readings "
                    f"while {rate:.2f} requests/s finished")
@@ -246,12 +282,13 @@ def scale_out(t: Tick) -> ScaleDecision | None:
         target = max(target, n + math.ceil(n * (min(f.reading.score, p.max_factor) - 1)))
         why.append(f"SLO breached with no better knob setting ({f.verdict.reason if not f.knobs_fixed else 'observe mode'}"
                    f"{', rolled back' if f.tuner_action == ROLLBACK else ''}): {f.reading.text}")
-    target = min(target, math.floor(n * p.max_factor) or 1, p.max_replicas)
+    goal, target = min(target, p.max_replicas), min(target, t.step_limit(n))
     reason = "; ".join(why)
     if target <= n:
         reason = f"at spec.autoscaling.maxReplicas ({n}) and still {reason}"
         return t.stay(reason, Condition("False", "MaxReplicasReached", f"{n} replicas: {reason}"))
-    return t.scale(SCALE_OUT, target, reason, capacity=t.per_pod_rate if t.per_pod_rate > 0 else None)
+    return t.scale(SCALE_OUT, target, reason + (f" (on the way to {goal})" if goal > target else ""),
+                   capacity=t.per_pod_rate if t.per_pod_rate > 0 else None, goal=goal)
 
 
 def scale_in(t: Tick) -> ScaleDecision | None:
@@ -288,7 +325,8 @@ def hold(t: Tick) -> ScaleDecision:
 
 
 SCALE_RULES: tuple[ScaleRule, ...] = (
-    refuse_on_conflict, clamp_into_range, nothing_read, pods_starting, settling, scale_out, scale_in, hold,
+    refuse_on_conflict, clamp_into_range, nothing_read, toward_goal, pods_starting, settling, scale_out, scale_in,
+    hold,
 )
 
 
