@@ -16,7 +16,7 @@ from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import read
 from iterserve.operator.tuning.scale import (
-    SCALE_IN, SCALE_OUT, SCALE_RULES, STAY, Fleet, ScalePolicy, ScaleState, decide_scale,
+    SCALE_IN, SCALE_OUT, SCALE_RULES, STAY, Fleet, ScalePolicy, ScaleState, Tick, decide_scale,
 )
 
 TUNING = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, min_samples=20)
@@ -136,7 +136,6 @@ def test_every_rule_has_a_row():
     """Each rule of the table decides at least one row above."""
     decided = set()
     for _, state, fleet_, policy, _ in ROWS:
-        from iterserve.operator.tuning.scale import Tick
         t = Tick(state, fleet_, policy, NOW)
         decided.add(next(rule.__name__ for rule in SCALE_RULES if rule(t) is not None))
     assert decided == {rule.__name__ for rule in SCALE_RULES}
