@@ -76,6 +76,7 @@ class ScaleState:
     capacity: float | None = None  # requests per second one pod finishes at the edge of the SLO
     capacity_knobs: object = None  # the knobs it was learned under
     goal: int | None = None  # what the last scale-out's evidence asked for, beyond its step limit
+    proven: float | None = None  # the highest requests/s per pod seen in a window that met the SLO
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,12 @@ class Tick:
         capacity = st.capacity
         if capacity is not None and st.capacity_knobs != f.knobs:
             capacity = None  # the tuner has moved the knobs since: what one pod carries is known no more
-        if capacity is not None and f.reading is not None and f.reading.met and self.per_pod_rate > capacity:
+        met = f.reading is not None and f.reading.met and f.reading.trouble is None
+        if capacity is not None and met and self.per_pod_rate > capacity:
             capacity = self.per_pod_rate
+        proven = max(st.proven or 0.0, self.per_pod_rate) if met else st.proven
         return dataclasses.replace(
-            st, capacity=capacity, capacity_knobs=f.knobs if capacity is not None else None,
+            st, capacity=capacity, proven=proven, capacity_knobs=f.knobs if capacity is not None else None,
             pressure_since=(st.pressure_since if st.pressure_since is not None else now) if pressure else None,
             headroom_since=(st.headroom_since if st.headroom_since is not None else now) if self.headroom else None)
 
@@ -293,8 +296,10 @@ def scale_out(t: Tick) -> ScaleDecision | None:
 
 def scale_in(t: Tick) -> ScaleDecision | None:
     """Headroom held for the scale-down window, and the load over one pod fewer still fits: each pod's
-    requests per second under (1 - margin) of the capacity learned at the last scale-out, and its requests
-    in flight under (1 - margin) of the batch cap. One pod at a time; the pod removed drains."""
+    requests per second under (1 - margin) of the capacity learned at the last scale-out, and not more
+    than 1 / (1 - margin) times the most a pod has been seen to carry within the SLO (a capacity is
+    forgotten when the knobs move; this bound is not, and a fleet probes past it a step at a time), and
+    its requests in flight under (1 - margin) of the batch cap. One pod at a time; the removed pod drains."""
     s, p, f = t.s, t.policy, t.fleet
     n = t.n
     if s.headroom_since is None or n <= p.min_replicas:
@@ -307,6 +312,9 @@ def scale_in(t: Tick) -> ScaleDecision | None:
     if s.capacity is not None and rate > fit * s.capacity:
         return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {n - 1} pods would pass "
                       f"{fit:.0%} of the {s.capacity:.2f} one pod carries within the SLO")
+    if s.proven is not None and rate > s.proven / fit:
+        return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {n - 1} pods is more than "
+                      f"{1 / fit:.0%} of the {s.proven:.2f} a pod has been seen to carry within the SLO")
     busy = (f.obs.running + f.obs.queued) / (n - 1)
     if f.batch_cap and busy > fit * f.batch_cap:
         return t.stay(f"headroom, but {busy:.1f} requests in flight per pod over {n - 1} pods would pass "
