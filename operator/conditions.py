@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 
 READY, PROGRESSING, DEGRADED, TUNED = "Ready", "Progressing", "Degraded", "Tuned"
+AUTOSCALING = "Autoscaling"  # spec.autoscaling's last word: why the replicas are what they are
 
 
 def now_iso() -> str:

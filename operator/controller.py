@@ -17,6 +17,7 @@ from iterserve.operator.builders.configmap import knobs_from_configmap
 from iterserve.operator.builders.labels import knobs_configmap_name
 from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.conditions import DEGRADED, TUNED, get_condition, now_iso, set_condition, transitions
+from iterserve.operator.autoscaling import with_replicas_in_force
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.reconcile import Change, reconcile, short_error
@@ -106,7 +107,7 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: Operat
             return result
         generation = int(body["metadata"].get("generation") or 0)
         try:
-            svc = parse_llmservice(body)
+            svc = with_replicas_in_force(parse_llmservice(body), body.get("status"))
         except SpecError as e:
             # leave the children as they are (the last good spec keeps serving) and say why
             result.spec_error = e
@@ -117,7 +118,7 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: Operat
             outcome = reconcile(kube, svc, pod_timeout=pod_timeout, operator=operator)
             result.changes, result.problems = outcome.changes, outcome.problems
             obs = ReconcileResult(name=name, generation=generation, replicas_wanted=svc.replicas,
-                              tuning_mode=svc.tuning.mode, deployment=outcome.deployment, knobs=outcome.knobs,
+                              autoscaling=svc.autoscaling is not None, tuning_mode=svc.tuning.mode, deployment=outcome.deployment, knobs=outcome.knobs,
                               problems=outcome.problems)
         result.transitions, result.gone = write_status(kube, namespace, name, obs)
         return result
@@ -134,11 +135,11 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
         if body is None:
             result.gone = True
             return result
+        status = body.get("status") or {}
         try:
-            svc = parse_llmservice(body)
+            svc = with_replicas_in_force(parse_llmservice(body), status)
         except SpecError:
             return result  # the change handlers report invalid specs
-        status = body.get("status") or {}
         deployment = _get_deployment(kube, namespace, name, result)
         try:
             knobs = knobs_from_configmap(kube.get("v1", "ConfigMap", namespace, knobs_configmap_name(name)))
@@ -150,7 +151,8 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
         if degraded.get("status") == "True" and degraded.get("reason") == "ReconcileFailed":
             result.problems.append(degraded.get("message", ""))
         obs = ReconcileResult(name=name, generation=status.get("observedGeneration", svc.generation),
-                          replicas_wanted=svc.replicas, tuning_mode=svc.tuning.mode, deployment=deployment,
+                          replicas_wanted=svc.replicas, autoscaling=svc.autoscaling is not None,
+                          tuning_mode=svc.tuning.mode, deployment=deployment,
                           knobs=knobs, problems=result.problems)
         result.transitions, result.gone = write_status(kube, namespace, name, obs)
         return result

@@ -20,6 +20,7 @@ PLURALS = {
     "Deployment": "deployments", "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
     "PodDisruptionBudget": "poddisruptionbudgets", "Pod": "pods", "Event": "events", "Lease": "leases",
     "ReplicaSet": "replicasets", "NetworkPolicy": "networkpolicies",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     KIND: PLURAL,
 }
 MERGE_PATCH = "application/merge-patch+json"

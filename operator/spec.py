@@ -73,6 +73,16 @@ class Tuning:
 
 
 @dataclass(frozen=True)
+class Autoscaling:
+    """spec.autoscaling: the operator sets the replicas between these bounds against the SLO."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+
+
+@dataclass(frozen=True)
 class NetworkPolicy:
     enabled: bool = True
     api_from: tuple[dict, ...] = ()  # NetworkPolicyPeers allowed on the API port; () is anywhere
@@ -109,6 +119,7 @@ class LLMService:
     itl_p99_ms: float | None = None
     drain_timeout_seconds: int = 30
     network_policy: NetworkPolicy = NetworkPolicy()
+    autoscaling: Autoscaling | None = None  # None: replicas are spec.replicas (or an HPA's, through /scale)
 
 
 class _Reader:
@@ -209,6 +220,7 @@ def parse_llmservice(body: dict[str, Any]) -> LLMService:
         itl_p99_ms=r.number(slo, "itlP99Ms", f"{p}.slo", 1, 600_000),
         drain_timeout_seconds=r.integer(spec, "drainTimeoutSeconds", p, 30, lo=0, hi=3600),
         network_policy=_parse_network_policy(r, r.obj(spec, "networkPolicy", p), f"{p}.networkPolicy"),
+        autoscaling=_parse_autoscaling(r, spec, p),
     )
     _check_cross_field(r, service)
     if r.errors:
@@ -257,6 +269,20 @@ def _parse_tuning(r: _Reader, tuning: dict, p: str) -> Tuning:
     )
 
 
+def _parse_autoscaling(r: _Reader, spec: dict, p: str) -> Autoscaling | None:
+    if spec.get("autoscaling") is None:
+        return None
+    a, p = r.obj(spec, "autoscaling", p), f"{p}.autoscaling"
+    if a.get("maxReplicas") is None:
+        r.error(f"{p}.maxReplicas", "required")
+    return Autoscaling(
+        min_replicas=r.integer(a, "minReplicas", p, 1, lo=1, hi=1000),
+        max_replicas=r.integer(a, "maxReplicas", p, 1, lo=1, hi=1000),
+        scale_up_stabilization_seconds=r.integer(a, "scaleUpStabilizationSeconds", p, 0, lo=0, hi=3600),
+        scale_down_stabilization_seconds=r.integer(a, "scaleDownStabilizationSeconds", p, 300, lo=0, hi=3600),
+    )
+
+
 def _parse_network_policy(r: _Reader, policy: dict, p: str) -> NetworkPolicy:
     peers = tuple(_list(r, policy, "apiFrom", p))
     for i, peer in enumerate(peers):
@@ -294,6 +320,8 @@ def _check_cross_field(r: _Reader, s: LLMService) -> None:
     if s.tuning.window_seconds < s.tuning.interval_seconds:
         r.error("spec.tuning.windowSeconds",
                 f"must be >= intervalSeconds ({s.tuning.interval_seconds}), got {s.tuning.window_seconds}")
+    if s.autoscaling is not None:
+        _check_autoscaling(r, s)
     if s.engine.max_model_len is not None and s.engine.block_size > s.engine.max_model_len:
         r.error("spec.engine.blockSize", f"must not exceed maxModelLen ({s.engine.max_model_len})")
     if s.api_key is not None and s.api_key.name == ADMIN_SECRET:
@@ -301,3 +329,14 @@ def _check_cross_field(r: _Reader, s: LLMService) -> None:
     for i, toleration in enumerate(s.tolerations):
         if toleration.get("operator") == "Exists" and toleration.get("value"):
             r.error(f"spec.tolerations[{i}].value", "must be empty when operator is Exists")
+
+
+def _check_autoscaling(r: _Reader, s: LLMService) -> None:
+    a = s.autoscaling
+    if a.min_replicas > a.max_replicas:
+        r.error("spec.autoscaling.minReplicas", f"must not exceed maxReplicas ({a.max_replicas}), got {a.min_replicas}")
+    if s.tuning.mode not in ("observe", "auto"):
+        r.error("spec.tuning.mode", "must be observe or auto with spec.autoscaling: the tuner's windows are what "
+                f"the replicas are scaled on, got {s.tuning.mode}")
+    if s.tuning.mode != "auto" and s.ttft_p99_ms is None and s.itl_p99_ms is None:  # auto says it already
+        r.error("spec.slo", "give ttftP99Ms and/or itlP99Ms: spec.autoscaling scales against them")

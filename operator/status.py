@@ -1,7 +1,8 @@
 """The status the operator writes on an LLMService, computed from what it observed (pure).
 
 The operator owns observedGeneration, replicas, readyReplicas, updatedReplicas, selector, knobs and
-the Ready, Progressing and Degraded conditions. The tuner owns ttftP99Ms, itlP99Ms, kvCacheUsage,
+the Ready, Progressing and Degraded conditions, and desiredReplicas without spec.autoscaling (with it,
+the autoscaler owns desiredReplicas, lastScale and the Autoscaling condition: operator/scaling_loop.py). The tuner owns ttftP99Ms, itlP99Ms, kvCacheUsage,
 lastDecision and the Tuned condition; the operator only sets Tuned while tuning is off, or to Unknown
 before the tuner said anything.
 """
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 from iterserve.operator.builders.labels import selector_string
 from iterserve.operator.conditions import (
-    DEGRADED, PROGRESSING, READY, TUNED, get_condition, set_condition,
+    AUTOSCALING, DEGRADED, PROGRESSING, READY, TUNED, get_condition, set_condition,
 )
 from iterserve.operator.spec import camel
 
@@ -26,6 +27,7 @@ class ReconcileResult:
     name: str
     generation: int
     replicas_wanted: int | None = None  # None: the spec is invalid
+    autoscaling: bool = False  # spec.autoscaling is set (its condition and lastScale stay)
     tuning_mode: str | None = None
     deployment: dict | None = None
     knobs: dict[str, int] | None = None  # in force (ConfigMap)
@@ -110,6 +112,9 @@ def compute_status(obs: ReconcileResult, current: dict | None, now: str) -> dict
     elif obs.tuning_mode is not None and get_condition(conditions, TUNED) is None:
         put(TUNED, None, "WaitingForMetrics", f"tuning mode {obs.tuning_mode}: no decision yet")
 
+    if obs.replicas_wanted is not None and not obs.autoscaling:  # what the autoscaler said no longer holds
+        conditions = [c for c in conditions if c.get("type") != AUTOSCALING]
+
     status = {
         "observedGeneration": gen,
         "replicas": dep_status.get("replicas", 0),
@@ -118,6 +123,9 @@ def compute_status(obs: ReconcileResult, current: dict | None, now: str) -> dict
         "selector": selector_string(obs.name),
         "conditions": conditions,
     }
+    if obs.replicas_wanted is not None and not obs.autoscaling:  # with spec.autoscaling, the autoscaler's
+        status["desiredReplicas"] = wanted
+        status["lastScale"] = None
     if obs.knobs is not None:
         status["knobs"] = {camel(k): v for k, v in obs.knobs.items()}
     return status

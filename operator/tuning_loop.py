@@ -33,6 +33,7 @@ from iterserve.operator.builders.secret import ADMIN_SECRET, admin_token_of
 from iterserve.operator.conditions import TUNED, get_condition
 from iterserve.operator.controller import object_lock, write_tuning_status
 from iterserve.operator.kube import Kube
+from iterserve.operator.scaling_loop import Autoscaler
 from iterserve.operator.reconcile import pod_admin_url, pod_url, ready_pods, set_tuned_knobs, short_error
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import TUNING_OFF_MESSAGE
@@ -132,6 +133,7 @@ class TuningLoop:
     pod_timeout: float = 3.0
     tuner: Tuner | None = None
     memory: EventMemory = field(default_factory=EventMemory)
+    autoscaler: Autoscaler = field(default_factory=Autoscaler)
     interval_s: float = RETRY_SECONDS
     _svc: LLMService | None = field(default=None, repr=False)
     _token: str | None = field(default=None, repr=False)
@@ -141,7 +143,7 @@ class TuningLoop:
         """One tick for the LLMService as `body` shows it now: (seconds to the next tick, Events to emit)."""
         started = time.monotonic()
         try:
-            record = self._tick(body)
+            record, scale_events = self._tick(body)
         except (ApiException, RuntimeError) as e:  # the API server's trouble: try again next time
             logger.warning("%s/%s: tuning tick failed: %s", self.namespace, self.name, short_error(e))
             return RETRY_SECONDS, []
@@ -150,29 +152,36 @@ class TuningLoop:
             return RETRY_SECONDS, []
         if record is None:
             return RETRY_SECONDS, []
-        return next_delay(self.interval_s, time.monotonic() - started), events_for(record, self.memory)
+        events = events_for(record, self.memory) + scale_events
+        return next_delay(self.interval_s, time.monotonic() - started), events
 
-    def _tick(self, body: dict) -> TuningRecord | None:
+    def _tick(self, body: dict) -> tuple[TuningRecord | None, list[dict]]:
+        """The tuner's tick, then (spec.autoscaling) the autoscaler's on the same window: (record, the
+        autoscaler's Events)."""
         ns, name = self.namespace, self.name
         with object_lock(ns, name):
             try:
                 svc = parse_llmservice(body)
                 policy = policy_from_spec(svc)
             except (SpecError, InvalidPolicyError):
-                return None  # the reconcile reports it; the last good setting keeps serving
+                return None, []  # the reconcile reports it; the last good setting keeps serving
             self.interval_s = policy.interval_s
             if policy.mode not in TUNING_MODES:
-                return None  # the daemon is being stopped
+                return None, []  # the daemon is being stopped
             knobs = knobs_from_configmap(self.kube.get("v1", "ConfigMap", ns, knobs_configmap_name(name)))
             token = admin_token_of(self.kube.get("v1", "Secret", ns, ADMIN_SECRET), name)
             if knobs is None or token is None:
-                return None  # not created yet: the reconcile is on it
+                return None, []  # not created yet: the reconcile is on it
             in_force = Knobs.from_dict(knobs)
             tuner = self._tuner(svc, policy, in_force, token)
             record = tuner.tick()
             if not write_tuning_status(self.kube, ns, name, record.status(), record.condition()):
-                return None  # deleted meanwhile
-            return record
+                return None, []  # deleted meanwhile
+            if svc.autoscaling is None:
+                self.autoscaler = Autoscaler()  # turned off: a later spec.autoscaling starts afresh
+                return record, []
+            current = self.kube.get_llmservice(ns, name)
+            return record, self.autoscaler.tick(self.kube, svc, (current or {}).get("status"), record, policy)
 
     def _tuner(self, svc: LLMService, policy: TuningPolicy, in_force: Knobs, token: str) -> Tuner:
         """The Tuner, created on the first tick, brought up to date with the spec and the knobs in force."""

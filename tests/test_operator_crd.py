@@ -64,6 +64,7 @@ def test_schema_is_structural():
 def test_printer_columns_show_readiness_knobs_and_p99s():
     columns = {c["name"]: c["jsonPath"] for c in CRD_VERSION["additionalPrinterColumns"]}
     assert columns["Ready"] == ".status.readyReplicas"
+    assert columns["Desired"] == ".status.desiredReplicas"
     assert columns["Max-Seqs"] == ".status.knobs.maxNumSeqs"
     assert columns["Chunk"] == ".status.knobs.prefillChunkSize"
     assert columns["TTFT-P99-ms"] == ".status.ttftP99Ms" and columns["ITL-P99-ms"] == ".status.itlP99Ms"

@@ -60,7 +60,7 @@ def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster,
     assert all(c["lastTransitionTime"] and c["observedGeneration"] == 1 for c in svc["status"]["conditions"])
     table = kube_cluster.kubectl("get", "llmsvc", "chat", "-n", ns).stdout.split("\n")
     header, row = table[0].split(), table[1].split()
-    assert header[:8] == ["NAME", "READY", "REPLICAS", "MAX-SEQS", "CHUNK", "TTFT-P99-MS", "ITL-P99-MS", "TUNING"]
+    assert header[:8] == ["NAME", "READY", "DESIRED", "MAX-SEQS", "CHUNK", "TTFT-P99-MS", "ITL-P99-MS", "TUNING"]
     assert row[:6] == ["chat", "0", "1", "12", "256", "observe"]  # no p99 measured yet: empty columns
 
     # the tuner's first tick: no ready pod, nothing measured, no verdict

@@ -9,7 +9,7 @@ import pytest
 
 from iterserve.operator.builders.configmap import build_knobs_configmap
 from iterserve.operator.knob_plan import plan_knobs
-from iterserve.operator.spec import DEFAULT_IMAGE, SpecError, parse_llmservice
+from iterserve.operator.spec import DEFAULT_IMAGE, Autoscaling, SpecError, parse_llmservice
 
 
 def body(spec: dict) -> dict:
@@ -50,7 +50,25 @@ INVALID = [
     ({"slo": {"ttftP99Ms": 0}}, "spec.slo.ttftP99Ms", "must be a number"),
     ({"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}, "spec.tolerations[0].value", "Exists"),
     ({"engine": []}, "spec.engine", "must be an object"),
+    ({"autoscaling": {"minReplicas": 2}, "tuning": {"mode": "auto"}, "slo": {"ttftP99Ms": 500}},
+     "spec.autoscaling.maxReplicas", "required"),
+    ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}, "tuning": {"mode": "auto"}, "slo": {"ttftP99Ms": 500}},
+     "spec.autoscaling.minReplicas", "must not exceed maxReplicas (2), got 5"),
+    ({"autoscaling": {"maxReplicas": 4}, "slo": {"ttftP99Ms": 500}}, "spec.tuning.mode", "must be observe or auto"),
+    ({"autoscaling": {"maxReplicas": 4}, "tuning": {"mode": "observe"}}, "spec.slo", "spec.autoscaling scales"),
+    ({"autoscaling": {"maxReplicas": 1001}, "tuning": {"mode": "auto"}, "slo": {"ttftP99Ms": 500}},
+     "spec.autoscaling.maxReplicas", "must be in [1, 1000]"),
+    ({"autoscaling": {"maxReplicas": 4, "scaleDownStabilizationSeconds": -1}, "tuning": {"mode": "auto"},
+      "slo": {"ttftP99Ms": 500}}, "spec.autoscaling.scaleDownStabilizationSeconds", "must be in [0, 3600]"),
 ]
+
+
+def test_autoscaling_defaults_and_absence():
+    assert parse_llmservice(body({})).autoscaling is None
+    svc = parse_llmservice(body({"autoscaling": {"maxReplicas": 8}, "tuning": {"mode": "observe"},
+                                 "slo": {"itlP99Ms": 80}}))
+    assert svc.autoscaling == Autoscaling(min_replicas=1, max_replicas=8, scale_up_stabilization_seconds=0,
+                                          scale_down_stabilization_seconds=300)
 
 
 @pytest.mark.parametrize("spec, field, message", INVALID, ids=[case[1] + ":" + case[2][:20] for case in INVALID])

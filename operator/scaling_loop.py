@@ -1,0 +1,86 @@
+"""The replica autoscaler inside the tuner's loop: one `Autoscaler` per LLMService with spec.autoscaling.
+
+It runs right after each tuner tick (operator/tuning_loop.py), under the same object lock, on the same
+window: the replicas in force (operator/autoscaling.py), the Deployment's ready pods and the namespace's
+HorizontalPodAutoscalers go into `decide_scale` (operator/tuning/scale.py); its count and reason go to the
+status (desiredReplicas, lastScale, the `Autoscaling` condition); a change is then rendered by a full
+reconcile, which reads desiredReplicas back and applies the Deployment (and the PodDisruptionBudget) with
+it, so there is one way the Deployment is written. The Events name each change and each turn of the
+condition into or out of trouble.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from iterserve.operator import controller
+from iterserve.operator.autoscaling import HPA_API, autoscaled_replicas, conflicting_hpas, fleet_of, scale_policy
+from iterserve.operator.conditions import AUTOSCALING, set_condition
+from iterserve.operator.kube import Kube
+from iterserve.operator.spec import LLMService
+from iterserve.operator.tuning.policy import TuningPolicy
+from iterserve.operator.tuning.scale import SCALE_OUT, STAY, ScaleDecision, ScaleState, decide_scale
+from iterserve.operator.tuning.tuner import TuningRecord, rfc3339
+
+logger = logging.getLogger("iterserve.operator.autoscaling")
+QUIET_REASONS = ("ScaledOut", "ScaledIn")  # their change Event says it; no second one for the condition
+
+
+def scale_event(decision: ScaleDecision) -> dict | None:
+    if decision.action == STAY:
+        return None
+    return {"type": "Normal", "reason": "ScaledOut" if decision.action == SCALE_OUT else "ScaledIn",
+            "message": decision.reason}
+
+
+def status_fields(decision: ScaleDecision, before: int, now: float) -> dict:
+    fields = {"desiredReplicas": decision.replicas}
+    if decision.action != STAY:
+        fields["lastScale"] = {"from": before, "to": decision.replicas, "reason": decision.reason,
+                               "time": rfc3339(now)}
+    return fields
+
+
+@dataclass
+class Autoscaler:
+    """One service's scaler state and the condition last announced."""
+
+    state: ScaleState = field(default_factory=ScaleState)
+    said: tuple[str, str] | None = None
+
+    def tick(self, kube: Kube, svc: LLMService, status: dict | None, record: TuningRecord,
+             tuning: TuningPolicy) -> list[dict]:
+        """Decide, write the status and, on a change, reconcile; returns the Events to emit."""
+        ns, name, now = svc.namespace, svc.name, record.time
+        replicas = autoscaled_replicas(svc, status)
+        deployment = kube.get("apps/v1", "Deployment", ns, name) or {}
+        ready = (deployment.get("status") or {}).get("readyReplicas") or 0
+        conflicts = conflicting_hpas(kube.list(HPA_API, "HorizontalPodAutoscaler", ns), svc)
+        decision = decide_scale(self.state, fleet_of(record, tuning, replicas, ready, conflicts),
+                                scale_policy(svc, tuning), now)
+        self.state = decision.state
+        c = decision.condition
+        fields = status_fields(decision, replicas, now)
+
+        def compute(before: dict) -> dict:
+            return {**fields, "conditions": set_condition(
+                before.get("conditions"), AUTOSCALING, c.status, c.reason, c.message,
+                observed_generation=before.get("observedGeneration"))}
+
+        if controller.patch_status(kube, ns, name, compute) is None:
+            return []  # deleted meanwhile
+        events = []
+        if (event := scale_event(decision)) is not None:
+            logger.info("%s/%s: %s", ns, name, decision.reason)
+            result = controller.handle(kube, {"metadata": {"namespace": ns, "name": name, "uid": svc.uid}})
+            if result.problems:
+                logger.warning("%s/%s: applying %d replicas: %s", ns, name, decision.replicas,
+                               "; ".join(result.problems))
+            events.append(event)
+        if (c.status, c.reason) != self.said:
+            self.said = (c.status, c.reason)
+            if c.reason not in QUIET_REASONS:
+                events.append({"type": "Normal" if c.status == "True" else "Warning", "reason": c.reason,
+                               "message": f"{AUTOSCALING}={c.status}: {c.message}"})
+        return events

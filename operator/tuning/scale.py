@@ -1,0 +1,346 @@
+"""The replica decision, a pure function: `decide_scale(state, fleet, policy, now) -> ScaleDecision`.
+
+The tuner moves the knobs inside each pod; this decides how many pods there are, against the same SLO,
+in the same tick. Knobs come first: the fleet grows only when the tuner has no better setting left (its
+verdict is BoundsReached or NoBetterSetting, or it has just rolled a change back; in observe mode, where it
+moves nothing, any confirmed breach) and the SLO is still breached, or when the waiting queue keeps growing
+whatever the tuner says (arrivals outrun the fleet). It shrinks by one pod once the fleet has had headroom
+for the scale-down stabilization window and the load spread over one pod fewer would still fit with a
+margin. `SCALE_RULES` is an ordered table like the tuner's `RULES`: the first rule that decides wins.
+
+What one pod can carry is learned, not configured: at each scale-out the per-pod completion rate (the
+fleet was saturated, or over its SLO at every knob setting) is remembered as `capacity`, and a window that
+met the SLO at a higher per-pod rate raises it (the load's mix changed). A scale-in must leave every pod
+under (1 - margin) of that capacity, so a fleet does not shrink back into the breach it has just grown out of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+from iterserve.operator.tuning.actions import ROLLBACK
+from iterserve.operator.tuning.decision import Condition
+from iterserve.operator.tuning.observation import Observation
+from iterserve.operator.tuning.reading import Reading
+
+SCALE_OUT, SCALE_IN, STAY = "scale_out", "scale_in", "stay"
+EXHAUSTED = ("BoundsReached", "NoBetterSetting")  # the tuner's verdicts that say no knob setting is left
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    min_replicas: int
+    max_replicas: int
+    scale_up_window_s: float = 0.0  # pressure must last this long before pods are added
+    scale_down_window_s: float = 300.0  # headroom must last this long before a pod is removed
+    settle_s: float = 60.0  # after a change, a window measured entirely after it (the tuner's window)
+    headroom_line: float = 0.8  # worst p99 / SLO under which the fleet has headroom (the tuner's line)
+    margin: float = 0.2  # a scale-in must leave each pod under (1 - margin) of its capacity and batch cap
+    queue_windows: int = 2  # consecutive rising readings of the waiting queue that count as growing...
+    queue_growth: float = 0.1  # ... when it grows by at least this share of the completion rate
+    pod_start_s: float = 600.0  # how long pods added by a scale-out are waited for before adding more
+    max_factor: float = 2.0  # one scale-out at most multiplies the fleet by this (or adds max_step pods)
+    max_step: int = 4
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What one tick saw: the replicas wanted and ready, the window and its reading (None when the window
+    had too few samples to judge), the tuner's verdict and action, and what may stop the scaler."""
+
+    replicas: int  # desired now (the Deployment's)
+    ready: int
+    obs: Observation | None
+    reading: Reading | None
+    verdict: Condition  # the tuner's Tuned condition after its tick
+    tuner_action: str  # the tuner's action this tick
+    knobs_fixed: bool = False  # tuning mode observe: the tuner recommends but moves nothing
+    batch_cap: int = 0  # max_num_seqs in force on each pod
+    knobs: object = None  # the knobs in force (any comparable value): a capacity learned under others is stale
+    conflicts: tuple[str, ...] = ()  # HorizontalPodAutoscalers that target the same service
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    last_scale_time: float | None = None
+    last_direction: str | None = None
+    pressure_since: float | None = None  # the scale-out condition has held since
+    headroom_since: float | None = None  # the fleet has had headroom since
+    queue: tuple[tuple[float, float], ...] = ()  # recent (time, requests waiting in the fleet), oldest first
+    starting: bool = False  # pods a scale-out added have not all been ready yet
+    whole_since: float | None = None  # when they all were
+    capacity: float | None = None  # requests per second one pod finishes at the edge of the SLO
+    capacity_knobs: object = None  # the knobs it was learned under
+    goal: int | None = None  # what the last scale-out's evidence asked for, beyond its step limit
+    proven: float | None = None  # the highest requests/s per pod seen in a window that met the SLO
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    action: str  # SCALE_OUT, SCALE_IN or STAY
+    replicas: int  # desired after this decision
+    reason: str
+    condition: Condition  # the `Autoscaling` condition
+    state: ScaleState
+
+
+class Tick:
+    """One call's inputs and what the rules derive from them, each computed once."""
+
+    def __init__(self, state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: float):
+        self.state, self.fleet, self.policy, self.now = state, fleet, policy, now
+
+    @property
+    def n(self) -> int:
+        return self.fleet.replicas
+
+    @cached_property
+    def queue(self) -> tuple[tuple[float, float], ...]:
+        """The recent readings of the fleet's queue, this one included."""
+        st, obs = self.state, self.fleet.obs
+        return st.queue if obs is None else (*st.queue, (self.now, obs.queued))[-self.policy.queue_windows:]
+
+    @cached_property
+    def growth(self) -> float | None:
+        """Requests added to the fleet's queue per second over the last `queue_windows` readings, when each
+        was higher than the one before, the last is at least half a request per pod and the growth is at
+        least `queue_growth` of the completions (arrivals outrun the fleet, not a noisy gauge); else None."""
+        q, p = self.queue, self.policy
+        if (len(q) < p.queue_windows or any(b[1] <= a[1] for a, b in zip(q, q[1:]))
+                or q[-1][1] < max(1.0, 0.5 * self.n)):
+            return None
+        growth = (q[-1][1] - q[0][1]) / max(q[-1][0] - q[0][0], 1e-9)
+        rate = self.fleet.obs.request_rate if self.fleet.obs is not None else 0.0
+        return growth if growth >= p.queue_growth * rate else None
+
+    @cached_property
+    def exhausted(self) -> bool:
+        """The SLO is breached and the knobs have nothing better to give."""
+        f, r = self.fleet, self.fleet.reading
+        if r is None or r.met:
+            return False
+        if f.knobs_fixed:
+            return f.verdict.status == "False"
+        return (f.verdict.status == "False" and f.verdict.reason in EXHAUSTED) or f.tuner_action == ROLLBACK
+
+    @cached_property
+    def headroom(self) -> bool:
+        """The SLO met with TTFT under the headroom line and next to nothing waiting, or a quiet fleet (too
+        few requests to measure, none waiting). TTFT is what queueing moves as the load per pod grows;
+        ITL moves mostly with the knobs (the chunk riding along), so it must only be met: whether one pod
+        fewer would still fit is `scale_in`'s capacity test."""
+        f = self.fleet
+        if f.obs is None or f.obs.queued >= 0.5 * max(f.replicas, 1) or f.obs.preemption_rate > 0:
+            return False
+        if f.reading is None:
+            return True
+        r = f.reading
+        return r.met and r.ttft <= self.policy.headroom_line and r.trouble is None
+
+    @cached_property
+    def per_pod_rate(self) -> float:
+        """Requests per second each pod read finished."""
+        obs = self.fleet.obs
+        return obs.request_rate / obs.num_pods if obs is not None and obs.num_pods else 0.0
+
+    @cached_property
+    def s(self) -> ScaleState:
+        """The state with this tick's bookkeeping: the queue reading, since when pressure or headroom has
+        held, and the capacity a met window at a higher per-pod rate proves."""
+        st, f, now = self.state, self.fleet, self.now
+        st = dataclasses.replace(st, queue=self.queue)
+        if st.starting and f.ready >= f.replicas:
+            st = dataclasses.replace(st, starting=False, whole_since=now)
+        if f.obs is None:
+            return st
+        pressure = self.exhausted or self.growth is not None
+        capacity = st.capacity
+        if capacity is not None and st.capacity_knobs != f.knobs:
+            capacity = None  # the tuner has moved the knobs since: what one pod carries is known no more
+        met = f.reading is not None and f.reading.met and f.reading.trouble is None
+        if capacity is not None and met and self.per_pod_rate > capacity:
+            capacity = self.per_pod_rate
+        proven = max(st.proven or 0.0, self.per_pod_rate) if met else st.proven
+        return dataclasses.replace(
+            st, capacity=capacity, proven=proven, capacity_knobs=f.knobs if capacity is not None else None,
+            pressure_since=(st.pressure_since if st.pressure_since is not None else now) if pressure else None,
+            headroom_since=(st.headroom_since if st.headroom_since is not None else now) if self.headroom else None)
+
+    def step_limit(self, n: int) -> int:
+        p = self.policy
+        return min(max(math.floor(n * p.max_factor), n + p.max_step), p.max_replicas)
+
+    def scale(self, action: str, target: int, reason: str, capacity: float | None = None,
+              goal: int | None = None) -> ScaleDecision:
+        # headroom outlives a scale-in (the next one needs only a window measured after it, and the load
+        # to fit one pod fewer again), not a scale-out
+        learned = {} if capacity is None else {"capacity": capacity, "capacity_knobs": self.fleet.knobs}
+        st = dataclasses.replace(self.s, last_scale_time=self.now, last_direction=action, pressure_since=None,
+                                 headroom_since=self.s.headroom_since if action == SCALE_IN else None,
+                                 queue=(), starting=action == SCALE_OUT,
+                                 goal=goal if goal is not None and goal > target else None, **learned)
+        why = f"{self.n} -> {target} replicas: {reason}"
+        return ScaleDecision(action, target, why, Condition("True", "ScaledOut" if action == SCALE_OUT
+                                                            else "ScaledIn", why), st)
+
+    def stay(self, reason: str, condition: Condition | None = None, state: ScaleState | None = None) -> ScaleDecision:
+        condition = condition or Condition("True", "Steady", f"{self.n} replicas: {reason}")
+        return ScaleDecision(STAY, self.n, reason, condition, self.s if state is None else state)
+
+
+ScaleRule = Callable[[Tick], "ScaleDecision | None"]
+
+
+def refuse_on_conflict(t: Tick) -> ScaleDecision | None:
+    """Another autoscaler targets the service: two controllers writing one replica count undo each other's
+    work, so this one stands aside and says which it found, and the replicas stay where they are."""
+    if not t.fleet.conflicts:
+        return None
+    names = ", ".join(t.fleet.conflicts)
+    why = (f"HorizontalPodAutoscaler {names} also targets this service; remove it or spec.autoscaling "
+           f"(replicas stay at {t.n})")
+    return t.stay(why, Condition("False", "HPAConflict", why), t.state)
+
+
+def clamp_into_range(t: Tick) -> ScaleDecision | None:
+    """Replicas outside [minReplicas, maxReplicas] (a spec edit) are brought inside at once: the range is
+    the user's word and needs no window."""
+    p = t.policy
+    if p.min_replicas <= t.n <= p.max_replicas:
+        return None
+    if t.n < p.min_replicas:
+        return t.scale(SCALE_OUT, p.min_replicas, f"spec.autoscaling.minReplicas is {p.min_replicas}")
+    return t.scale(SCALE_IN, p.max_replicas, f"spec.autoscaling.maxReplicas is {p.max_replicas}")
+
+
+def nothing_read(t: Tick) -> ScaleDecision | None:
+    """No pod could be read: nothing is known about the load, so nothing moves."""
+    if t.fleet.obs is not None and t.fleet.obs.num_pods > 0:
+        return None
+    return t.stay("no pod's metrics could be read", Condition("Unknown", "NoMetrics",
+                                                              f"{t.n} replicas: no pod's metrics could be read"))
+
+
+def toward_goal(t: Tick) -> ScaleDecision | None:
+    """The last scale-out's evidence asked for more pods than one step may add: the next tick adds the
+    next step, without waiting for the pods of the first (Kubernetes' HPA limits its rate the same way)."""
+    goal = t.state.goal
+    if goal is None or t.state.last_direction != SCALE_OUT or goal <= t.n:
+        return None
+    target = min(goal, t.step_limit(t.n))
+    return t.scale(SCALE_OUT, target, f"on the way to the {goal} replicas the last scale-out's evidence asked for",
+                   goal=goal)
+
+
+def pods_starting(t: Tick) -> ScaleDecision | None:
+    """Pods a scale-out added are still starting (loading a model takes minutes): adding more on the same
+    evidence would overshoot. Waited for at most `pod_start_s`, so pods that never start (no room on the
+    nodes) do not freeze the fleet."""
+    st, f = t.state, t.fleet
+    if (f.ready >= f.replicas or st.last_direction != SCALE_OUT or st.last_scale_time is None
+            or t.now - st.last_scale_time >= t.policy.pod_start_s):
+        return None
+    return t.stay(f"waiting for the pods added last to start ({f.ready}/{f.replicas} ready)")
+
+
+def settling(t: Tick) -> ScaleDecision | None:
+    """For a window after a change (after a scale-out, after its pods came up) the observation still
+    holds the fleet before it; its readings are not kept either."""
+    st = t.state
+    if st.last_scale_time is None:
+        return None
+    since = max(st.last_scale_time, t.s.whole_since or st.last_scale_time)
+    if t.now - since >= t.policy.settle_s:
+        return None
+    left = t.policy.settle_s - (t.now - since)
+    return t.stay(f"the window still holds the fleet before the last change ({left:.0f} s left)",
+                  state=dataclasses.replace(st, starting=t.s.starting, whole_since=t.s.whole_since))
+
+
+def scale_out(t: Tick) -> ScaleDecision | None:
+    """Pressure held for the scale-up window: add pods. A growing queue says by how much: arrivals are
+    the completions plus the queue's growth, and the fleet grows in the ratio of arrivals plus what drains
+    the queue within a window to completions; a breach at the end of the knobs by how far the worst p99 is
+    over (one pod at least). At most `max_factor` times the fleet or `max_step` pods more, whichever is
+    more (Kubernetes' HPA's default limit)."""
+    s, p, f = t.s, t.policy, t.fleet
+    if s.pressure_since is None or t.now - s.pressure_since < p.scale_up_window_s:
+        if s.pressure_since is not None:
+            left = p.scale_up_window_s - (t.now - s.pressure_since)
+            return t.stay(f"under pressure, scale-up stabilization window has {left:.0f} s left")
+        return None
+    n, target, why = t.n, t.n + 1, []
+    if t.growth is not None:
+        rate = f.obs.request_rate
+        drain = f.obs.queued / p.settle_s if p.settle_s > 0 else 0.0
+        need = math.ceil(n * (rate + t.growth + drain) / rate) if rate > 0 else n + 1
+        target = max(target, need)
+        why.append(f"the waiting queue grew {t.growth:.2f} requests/s over {p.queue_windows} readings "
+                   f"while {rate:.2f} requests/s finished")
+    if t.exhausted:
+        target = max(target, n + math.ceil(n * (min(f.reading.score, p.max_factor) - 1)))
+        why.append(f"SLO breached with no better knob setting ({f.verdict.reason if not f.knobs_fixed else 'observe mode'}"
+                   f"{', rolled back' if f.tuner_action == ROLLBACK else ''}): {f.reading.text}")
+    goal, target = min(target, p.max_replicas), min(target, t.step_limit(n))
+    reason = "; ".join(why)
+    if target <= n:
+        reason = f"at spec.autoscaling.maxReplicas ({n}) and still {reason}"
+        return t.stay(reason, Condition("False", "MaxReplicasReached", f"{n} replicas: {reason}"))
+    return t.scale(SCALE_OUT, target, reason + (f" (on the way to {goal})" if goal > target else ""),
+                   capacity=t.per_pod_rate if t.per_pod_rate > 0 else None, goal=goal)
+
+
+def scale_in(t: Tick) -> ScaleDecision | None:
+    """Headroom held for the scale-down window, and the load over one pod fewer still fits: each pod's
+    requests per second under (1 - margin) of the capacity learned at the last scale-out, and not more
+    than 1 / (1 - margin) times the most a pod has been seen to carry within the SLO (a capacity is
+    forgotten when the knobs move; this bound is not, and a fleet probes past it a step at a time), and
+    its requests in flight under (1 - margin) of the batch cap. One pod at a time; the removed pod drains."""
+    s, p, f = t.s, t.policy, t.fleet
+    n = t.n
+    if s.headroom_since is None or n <= p.min_replicas:
+        return None
+    if t.now - s.headroom_since < p.scale_down_window_s:
+        left = p.scale_down_window_s - (t.now - s.headroom_since)
+        return t.stay(f"headroom, scale-down stabilization window has {left:.0f} s left")
+    fit = 1 - p.margin
+    rate = f.obs.request_rate / (n - 1)
+    if s.capacity is not None and rate > fit * s.capacity:
+        return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {n - 1} pods would pass "
+                      f"{fit:.0%} of the {s.capacity:.2f} one pod carries within the SLO")
+    if s.proven is not None and rate > s.proven / fit:
+        return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {n - 1} pods is more than "
+                      f"{1 / fit:.0%} of the {s.proven:.2f} a pod has been seen to carry within the SLO")
+    busy = (f.obs.running + f.obs.queued) / (n - 1)
+    if f.batch_cap and busy > fit * f.batch_cap:
+        return t.stay(f"headroom, but {busy:.1f} requests in flight per pod over {n - 1} pods would pass "
+                      f"{fit:.0%} of max_num_seqs {f.batch_cap}")
+    fits = f"{rate:.2f} requests/s per pod over {n - 1} pods" + (
+        f" within {fit:.0%} of the {s.capacity:.2f} one pod carries" if s.capacity is not None else "")
+    return t.scale(SCALE_IN, n - 1, f"headroom for {p.scale_down_window_s:.0f} s and {fits}")
+
+
+def hold(t: Tick) -> ScaleDecision:
+    """The table's last rule: it always decides."""
+    if t.headroom and t.n <= t.policy.min_replicas:
+        return t.stay("headroom at spec.autoscaling.minReplicas")
+    return t.stay("the SLO is met without headroom to spare" if t.fleet.reading is None or t.fleet.reading.met
+                  else "the tuner is still correcting the breach with the knobs")
+
+
+SCALE_RULES: tuple[ScaleRule, ...] = (
+    refuse_on_conflict, clamp_into_range, nothing_read, toward_goal, pods_starting, settling, scale_out, scale_in,
+    hold,
+)
+
+
+def decide_scale(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: float) -> ScaleDecision:
+    t = Tick(state, fleet, policy, now)
+    for rule in SCALE_RULES:
+        if (decision := rule(t)) is not None:
+            return decision
+    raise AssertionError("hold always decides")

@@ -1,0 +1,36 @@
+"""benchmarks/autoscaling.py: its HPA model behaves as the HPA it stands for, and the whole comparison runs
+and writes its JSON (one small fleet, one seed: the figures are checked only for their shape and for what
+holds in any run: knobs alone cannot carry a peak sized for several pods)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.autoscaling import Hpa, main
+from iterserve.operator.tuning.observation import Observation
+
+
+def queue(waiting: float, pods: int) -> Observation:
+    return Observation(start=0, end=30, num_pods=pods, num_samples=100, ttft_p99_s=0.1, itl_p99_s=0.01,
+                       request_rate=10, prompt_token_rate=1000, generation_token_rate=500, waiting=waiting,
+                       running=8, queue_time_mean_s=None, kv_usage=0.2, preemption_rate=0, error_rate=0)
+
+
+def test_hpa_model_tolerance_step_limit_and_slow_scale_down():
+    hpa = Hpa(threshold=2.0, lo=1, hi=20)
+    assert hpa.desired(4, queue(8.5, 4), now=0) == 4  # 2.1 per pod: inside the 10% tolerance
+    assert hpa.desired(4, queue(80, 4), now=30) == 8  # 10x wanted: at most double (or +4) a period
+    assert hpa.desired(8, queue(0, 8), now=60) == 8  # the window still remembers 8 recommended
+    assert hpa.desired(8, queue(0, 8), now=400) == 7  # past it: one pod down...
+    assert hpa.desired(7, queue(0, 7), now=430) == 7  # ...and not another within the minute
+    assert hpa.desired(7, queue(0, 7), now=460) == 6
+
+
+def test_the_comparison_runs_and_writes_its_json(tmp_path, capsys):
+    out = tmp_path / "autoscaling.json"
+    assert main(["--fleets", "4", "--seeds", "1", "--thresholds", "1,4", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert set(row["hpa"]) == {"1.0", "4.0"} and row["best_hpa_threshold"] in (1.0, 4.0)
+    assert row["knobs"]["peak_replicas"] == 1 and row["knobs"]["within_slo_settled"] < 0.5
+    assert row["replicas"]["peak_replicas"] > 1
+    assert "knobs + replicas" in capsys.readouterr().out

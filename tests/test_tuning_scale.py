@@ -1,0 +1,187 @@
+"""decide_scale() on tables: each row is a fleet (replicas, ready pods, one window, the tuner's verdict)
+and a scaler state, and checks the action, the replicas after it, the reason and the Autoscaling
+condition. Then a property: whatever it reads, the count stays in the range and moves as documented."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from iterserve.operator.tuning.actions import HOLD, RAISE_SEQS, ROLLBACK
+from iterserve.operator.tuning.decision import NOT_OBSERVED, Condition
+from iterserve.operator.tuning.observation import Observation
+from iterserve.operator.tuning.policy import TuningPolicy
+from iterserve.operator.tuning.reading import read
+from iterserve.operator.tuning.scale import (
+    SCALE_IN, SCALE_OUT, SCALE_RULES, STAY, Fleet, ScalePolicy, ScaleState, Tick, decide_scale,
+)
+
+TUNING = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, min_samples=20)
+POLICY = ScalePolicy(min_replicas=1, max_replicas=8, scale_up_window_s=0, scale_down_window_s=300, settle_s=60)
+NOW = 10_000.0
+MET = Condition("True", "SLOMet", "met")
+BOUNDS = Condition("False", "BoundsReached", "at the bounds")
+NO_BETTER = Condition("False", "NoBetterSetting", "all failed")
+BREACHED = Condition("False", "SLOBreached", "correcting")
+
+
+def window(ttft=500, itl=50, n=100, waiting=0.0, running=8.0, rate=10.0, pods=2) -> Observation:
+    return Observation(start=NOW - 60, end=NOW, num_pods=pods, num_samples=n, ttft_p99_s=ttft / 1000,
+                       itl_p99_s=itl / 1000, request_rate=rate, prompt_token_rate=rate * 100,
+                       generation_token_rate=rate * 50, waiting=waiting, running=running, queue_time_mean_s=None,
+                       kv_usage=0.3, preemption_rate=0.0, error_rate=0.0)
+
+
+def fleet(obs=None, replicas=2, ready=None, verdict=MET, action=HOLD, **kw) -> Fleet:
+    obs = window(pods=replicas) if obs is None else obs
+    reading = read(obs, TUNING) if obs is not None and obs.num_samples >= TUNING.min_samples else None
+    return Fleet(replicas=replicas, ready=replicas if ready is None else ready, obs=obs, reading=reading,
+                 verdict=verdict, tuner_action=action, batch_cap=16, **kw)
+
+
+OVER = window(ttft=1500, pods=2)  # TTFT 1.5x its SLO
+LONG_AGO = ScaleState(last_scale_time=NOW - 1000, last_direction=SCALE_OUT, capacity=5.0)
+HEADROOM_LONG = dataclasses.replace(LONG_AGO, headroom_since=NOW - 400)
+
+# title, state, fleet, policy, (action, replicas, condition reason, words in the reason)
+ROWS = [
+    ("another HPA targets the service: refuse, say which, replicas stay",
+     ScaleState(), fleet(OVER, verdict=BOUNDS, conflicts=("chat-hpa",)), POLICY,
+     (STAY, 2, "HPAConflict", "chat-hpa")),
+    ("below minReplicas: up at once", ScaleState(), fleet(replicas=1), dataclasses.replace(POLICY, min_replicas=3),
+     (SCALE_OUT, 3, "ScaledOut", "minReplicas is 3")),
+    ("above maxReplicas: down at once", ScaleState(), fleet(replicas=10), POLICY,
+     (SCALE_IN, 8, "ScaledIn", "maxReplicas is 8")),
+    ("no pod read: nothing known, nothing moves", ScaleState(), fleet(Observation.empty(NOW)), POLICY,
+     (STAY, 2, "NoMetrics", "could be read")),
+    ("pods added last still starting: no more on the same evidence",
+     ScaleState(last_scale_time=NOW - 100, last_direction=SCALE_OUT), fleet(OVER, replicas=4, ready=2,
+                                                                            verdict=BOUNDS), POLICY,
+     (STAY, 4, "Steady", "2/4 ready")),
+    ("pods that never start are waited for only so long",
+     ScaleState(last_scale_time=NOW - 700, last_direction=SCALE_OUT), fleet(OVER, replicas=4, ready=2,
+                                                                            verdict=BOUNDS), POLICY,
+     (SCALE_OUT, 6, "ScaledOut", "BoundsReached")),
+    ("a window after a change still holds the fleet before it",
+     ScaleState(last_scale_time=NOW - 30, last_direction=SCALE_IN), fleet(OVER, verdict=BOUNDS), POLICY,
+     (STAY, 2, "Steady", "30 s left")),
+    ("after a scale-out the window counts from when its pods came up",
+     ScaleState(last_scale_time=NOW - 300, last_direction=SCALE_OUT, starting=True),
+     fleet(OVER, verdict=BOUNDS), POLICY, (STAY, 2, "Steady", "60 s left")),
+    ("breach at the bounds: out by how far the p99 is over",
+     ScaleState(), fleet(OVER, verdict=BOUNDS), POLICY, (SCALE_OUT, 3, "ScaledOut", "BoundsReached")),
+    ("breach with no better setting (all tried made it worse): out",
+     ScaleState(), fleet(OVER, replicas=4, verdict=NO_BETTER), POLICY, (SCALE_OUT, 6, "ScaledOut", "NoBetterSetting")),
+    ("breach right after a rollback: out", ScaleState(), fleet(OVER, verdict=BREACHED, action=ROLLBACK), POLICY,
+     (SCALE_OUT, 3, "ScaledOut", "rolled back")),
+    ("breach while the tuner still has a knob to turn: the knobs first",
+     ScaleState(), fleet(OVER, verdict=BREACHED, action=RAISE_SEQS), POLICY, (STAY, 2, "Steady", "still correcting")),
+    ("observe mode: the knobs never move, a confirmed breach scales",
+     ScaleState(), fleet(OVER, verdict=BREACHED, knobs_fixed=True), POLICY, (SCALE_OUT, 3, "ScaledOut", "observe")),
+    ("severe breach: at most double", ScaleState(), fleet(window(ttft=9000, pods=2), verdict=BOUNDS), POLICY,
+     (SCALE_OUT, 4, "ScaledOut", "BoundsReached")),
+    ("scale-up window not over yet", ScaleState(pressure_since=NOW - 20), fleet(OVER, verdict=BOUNDS),
+     dataclasses.replace(POLICY, scale_up_window_s=60), (STAY, 2, "Steady", "40 s left")),
+    ("scale-up window over", ScaleState(pressure_since=NOW - 70), fleet(OVER, verdict=BOUNDS),
+     dataclasses.replace(POLICY, scale_up_window_s=60), (SCALE_OUT, 3, "ScaledOut", "BoundsReached")),
+    ("at maxReplicas: the condition says the SLO needs more than allowed",
+     ScaleState(), fleet(window(ttft=1500, pods=8), replicas=8, verdict=BOUNDS), POLICY,
+     (STAY, 8, "MaxReplicasReached", "maxReplicas")),
+    ("the queue kept growing, whatever the tuner says: out to carry arrivals and drain the queue",
+     ScaleState(queue=((NOW - 10, 6.0),)),
+     fleet(window(waiting=10.0, rate=4.0), verdict=BREACHED, action=RAISE_SEQS), POLICY,
+     (SCALE_OUT, 3, "ScaledOut", "queue grew 0.40 requests/s")),
+    ("a growing queue asking for more than one step: the first step, and the goal kept",
+     ScaleState(queue=((NOW - 10, 6.0),)),
+     fleet(window(waiting=306.0, rate=4.0), verdict=BREACHED, action=RAISE_SEQS), POLICY,
+     (SCALE_OUT, 6, "ScaledOut", "on the way to 8")),
+    ("the evidence asked for more than one step: the next step follows without waiting for the pods",
+     ScaleState(last_scale_time=NOW - 30, last_direction=SCALE_OUT, starting=True, goal=12),
+     fleet(OVER, replicas=4, ready=1, verdict=BOUNDS), POLICY, (SCALE_OUT, 8, "ScaledOut", "on the way to the 12")),
+    ("a queue creeping up by less than a tenth of the completions is noise, not growth",
+     ScaleState(queue=((NOW - 30, 3.0),)), fleet(window(waiting=3.5, rate=4.0), verdict=MET), POLICY,
+     (STAY, 2, "Steady", "")),
+    ("a queue that rose then fell is not growing", ScaleState(queue=((NOW - 20, 2.0), (NOW - 10, 6.0))),
+     fleet(window(waiting=5.0, rate=4.0), verdict=MET), POLICY, (STAY, 2, "Steady", "")),
+    ("headroom, window not over", dataclasses.replace(LONG_AGO, headroom_since=NOW - 100),
+     fleet(window(rate=2.0, running=2)), POLICY, (STAY, 2, "Steady", "200 s left")),
+    ("headroom for the window and the load fits one pod fewer: in by one",
+     HEADROOM_LONG, fleet(window(rate=2.0, running=2), replicas=3), POLICY,
+     (SCALE_IN, 2, "ScaledIn", "1.00 requests/s per pod over 2 pods within 80% of the 5.00")),
+    ("headroom, but one pod fewer would pass the capacity learned at the last scale-out",
+     HEADROOM_LONG, fleet(window(rate=9.0, running=2)), POLICY, (STAY, 2, "Steady", "would pass 80% of the 5.00")),
+    ("headroom, but one pod fewer would carry more per pod than has been seen within the SLO, by a margin",
+     dataclasses.replace(HEADROOM_LONG, capacity=None), fleet(window(rate=8.0, running=2)), POLICY,
+     (STAY, 2, "Steady", "is more than 125% of the 4.00")),
+    ("headroom, but one pod fewer would fill its batch cap",
+     dataclasses.replace(HEADROOM_LONG, capacity=None, proven=10.0), fleet(window(rate=2.0, running=14)), POLICY,
+     (STAY, 2, "Steady", "max_num_seqs 16")),
+    ("a quiet fleet (too few requests to measure, none waiting) has headroom",
+     HEADROOM_LONG, fleet(window(n=3, rate=0.1, running=0)), POLICY, (SCALE_IN, 1, "ScaledIn", "headroom")),
+    ("headroom at minReplicas: stays", HEADROOM_LONG, fleet(window(rate=0.1), replicas=1), POLICY,
+     (STAY, 1, "Steady", "minReplicas")),
+    ("met without headroom: stays", LONG_AGO, fleet(window(ttft=900)), POLICY, (STAY, 2, "Steady", "without headroom")),
+]
+
+
+@pytest.mark.parametrize("title, state, fleet_, policy, expected", ROWS, ids=[r[0] for r in ROWS])
+def test_scale_rules(title, state, fleet_, policy, expected):
+    action, replicas, reason, words = expected
+    d = decide_scale(state, fleet_, policy, NOW)
+    assert (d.action, d.replicas, d.condition.reason) == (action, replicas, reason), d.reason
+    assert words in d.reason and words in d.condition.message, d.reason
+
+
+def test_every_rule_has_a_row():
+    """Each rule of the table decides at least one row above."""
+    decided = set()
+    for _, state, fleet_, policy, _ in ROWS:
+        t = Tick(state, fleet_, policy, NOW)
+        decided.add(next(rule.__name__ for rule in SCALE_RULES if rule(t) is not None))
+    assert decided == {rule.__name__ for rule in SCALE_RULES}
+
+
+def test_a_scale_out_learns_capacity_and_a_met_window_at_a_higher_rate_raises_it():
+    d = decide_scale(ScaleState(), fleet(window(ttft=1500, rate=6.0), verdict=BOUNDS), POLICY, NOW)
+    assert d.action == SCALE_OUT and d.state.capacity == 3.0  # 6 requests/s over the 2 pods read
+    assert d.state.last_scale_time == NOW and d.state.pressure_since is None and d.state.queue == ()
+    up = fleet(window(ttft=500, rate=12.0, pods=3), replicas=3)
+    settling = decide_scale(d.state, up, POLICY, NOW + 100)  # the new pod is up: a window from now on
+    assert settling.state.whole_since == NOW + 100 and settling.state.capacity == 3.0
+    assert decide_scale(settling.state, up, POLICY, NOW + 200).state.capacity == 4.0
+
+
+def test_headroom_and_pressure_are_timed_from_their_first_window():
+    s = decide_scale(ScaleState(), fleet(window(rate=1.0, running=1)), POLICY, NOW).state
+    assert s.headroom_since == NOW
+    s = decide_scale(s, fleet(window(rate=1.0, running=1)), POLICY, NOW + 30).state
+    assert s.headroom_since == NOW  # still the first
+    s = decide_scale(s, fleet(window(ttft=900)), POLICY, NOW + 60).state
+    assert s.headroom_since is None  # lost: the window starts again
+
+
+@settings(max_examples=300, deadline=None)
+@given(replicas=st.integers(1, 40), ready=st.integers(0, 40), ttft=st.floats(10, 20_000), rate=st.floats(0, 100),
+       waiting=st.floats(0, 200), running=st.floats(0, 64), samples=st.integers(0, 200),
+       verdict=st.sampled_from([MET, BOUNDS, NO_BETTER, BREACHED, NOT_OBSERVED]),
+       action=st.sampled_from([HOLD, ROLLBACK, RAISE_SEQS]), since=st.floats(0, 2000),
+       capacity=st.none() | st.floats(0.1, 50), lo=st.integers(1, 8), span=st.integers(0, 24))
+def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_by_one(replicas, ready, ttft, rate, waiting, running,
+                                                                      samples, verdict, action, since, capacity, lo,
+                                                                      span):
+    policy = dataclasses.replace(POLICY, min_replicas=lo, max_replicas=lo + span)
+    state = ScaleState(last_scale_time=NOW - since, last_direction=SCALE_OUT, capacity=capacity,
+                       headroom_since=NOW - since, pressure_since=NOW - since)
+    obs = window(ttft=ttft, n=samples, waiting=waiting, running=running, rate=rate, pods=max(1, min(ready, replicas)))
+    d = decide_scale(state, fleet(obs, replicas=replicas, ready=ready, verdict=verdict, action=action), policy, NOW)
+    assert policy.min_replicas <= d.replicas <= policy.max_replicas
+    inside = policy.min_replicas <= replicas <= policy.max_replicas
+    if inside and d.action == SCALE_IN:
+        assert d.replicas == replicas - 1
+    if inside and d.action == SCALE_OUT:
+        assert replicas < d.replicas <= max(2 * replicas, replicas + 4)
+    if d.action == STAY:
+        assert d.replicas == replicas
