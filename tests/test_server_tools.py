@@ -145,6 +145,9 @@ def test_streamed_calls_reassemble_to_the_same_call(client, tool_choice):
     ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),  # deeper than the JSON decoder goes: still a 400
     ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]}, "messages[0]"),
 ])
 def test_bad_tool_input_is_a_400_naming_the_field(server, change, param):
@@ -153,3 +156,14 @@ def test_bad_tool_input_is_a_400_naming_the_field(server, change, param):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error", err
     assert server.engine.snapshot()["num_waiting"] == 0  # nothing reached the engine
+
+
+def test_the_clients_own_message_goes_back(client):
+    """The round trip as a user writes it: the response's message object itself, then the tool's answer."""
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=200, temperature=0)
+    msg = r.choices[0].message
+    answer = {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "21 degrees"}
+    follow = client.chat.completions.create(model=MODEL, messages=MESSAGES + [msg, answer], tools=TOOLS,
+                                            max_tokens=5, temperature=0)
+    assert follow.usage.prompt_tokens > r.usage.prompt_tokens + len(msg.tool_calls[0].function.arguments)

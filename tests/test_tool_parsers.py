@@ -53,6 +53,8 @@ def test_each_family_parses(parser, text, expected):
     ("mistral", "[TOOL_CALLS] [1, 2]"),
     ("mistral", "[TOOL_CALLS] not json"),
     ("mistral", "[TOOL_CALLS]f{}"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": ' + "[" * 100_000),
 ])
 def test_malformed_calls_are_not_calls(parser, text):
     assert get_parser(parser).parse(text) is None
@@ -144,3 +146,33 @@ def test_required_stream_splits_each_call():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
         ("get_weather", {"city": 'P"a]},ris', "days": [1, {"x": "}"}]}), ("f", {})]
     assert msg["content"] is None
+
+
+def _plan(body: dict, template: str | None, setting: str = "auto"):
+    from iterserve.server.api.protocol import ChatCompletionRequest, parse_body
+    from iterserve.server.api.tool_calls import plan_tools
+
+    req = parse_body(ChatCompletionRequest, json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                         **body}).encode(), "application/json")
+    return plan_tools(req, template, setting)
+
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+def test_the_parser_flag_overrides_the_template():
+    qwen = (TEMPLATES / "qwen2_5.jinja").read_text()
+    assert _plan({"tools": [TOOL]}, qwen).parser.name == "hermes"
+    assert _plan({"tools": [TOOL]}, qwen, "llama3_json").parser.name == "llama3_json"
+    assert _plan({"tools": [TOOL]}, None) is None  # no parser known: auto is text
+    assert _plan({"tools": [TOOL], "tool_choice": "none"}, qwen) is None
+
+
+def test_serve_takes_vllm_tool_flags():
+    from iterserve.server.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+    assert args.tool_call_parser == "mistral"
+    assert build_parser().parse_args(["serve"]).tool_call_parser == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "pythonic"])

@@ -122,7 +122,7 @@ def template_messages(messages) -> list[dict]:
 def _template_call(call, param: str) -> dict:
     try:
         args = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
         args = None
     if not isinstance(args, dict):
         raise APIError(400, f"{param}.function.arguments: must be a JSON object (as text)",

@@ -74,10 +74,7 @@ def _call(obj, args_keys: tuple[str, ...]) -> ParsedCall | None:
         if key in obj:
             args = obj[key]
             if isinstance(args, str):  # some models write the arguments as JSON text
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    return None
+                args = _loads(args)
             return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
     return ParsedCall(obj["name"], "{}")  # a call without arguments
 
@@ -85,7 +82,7 @@ def _call(obj, args_keys: tuple[str, ...]) -> ParsedCall | None:
 def _loads(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the decoder goes
         return None
 
 
@@ -107,7 +104,7 @@ def parse_llama3_json(text: str) -> list[ParsedCall] | None:
     while at < len(text):
         try:
             obj, end = _DECODER.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         calls.append(_call(obj, ("parameters", "arguments")))
         at = end

@@ -51,6 +51,8 @@ def register(sub) -> None:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
                    help="the format tool calls of tool_choice=auto are read in (default: auto, from the chat "
                         "template's markers; no known marker: the output stays text)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice=auto is always enabled here")
     add_server_limit_args(p)
     add_engine_args(p)
     p.set_defaults(run=run)
