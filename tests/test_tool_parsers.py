@@ -78,6 +78,12 @@ def test_text_before_hermes_calls_is_content():
     assert call["function"] == {"name": "f", "arguments": '{"a": 1}'} and call["id"].startswith("call_")
 
 
+def test_auto_without_parallel_calls_keeps_the_first():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    msg, _ = message(ToolPlan("auto", parser=get_parser("hermes"), parallel=False), text, "stop")
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["a"]
+
+
 def test_a_call_cut_by_max_tokens_keeps_length():
     text = '[{"name":"f","parameters":{"a":'
     msg, finish = message(ToolPlan("required"), text, "length")
@@ -176,3 +182,13 @@ def test_serve_takes_vllm_tool_flags():
     assert build_parser().parse_args(["serve"]).tool_call_parser == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "pythonic"])
+
+
+def test_forced_plans_carry_their_grammar():
+    from iterserve.server.api.tool_calls import NO_PARAMETERS
+
+    named = _plan({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, None)
+    assert named.mode == "named" and json.loads(named.structured.json_schema) == NO_PARAMETERS
+    required = _plan({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}, None)
+    schema = json.loads(required.structured.json_schema)
+    assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"] == {"const": "f"}

@@ -31,7 +31,8 @@ from iterserve.server.api.tool_parsers import Parser, detect_parser, get_parser
 from iterserve.server.engine.structured_output import StructuredOutput
 from iterserve.server.errors import InvalidRequestError
 
-OPEN_OBJECT = {"type": "object"}  # a tool without `parameters` takes any arguments object (OpenAI: none)
+# OpenAI: "omitting parameters defines a function with an empty parameter list"
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
@@ -42,6 +43,7 @@ class ToolPlan:
     parser: Parser | None = None  # the family's (None: unknown): auto reads calls with it, all modes its ids
     function: str | None = None  # named: the one function called
     structured: StructuredOutput | None = None  # required / named: the grammar forcing the calls
+    parallel: bool = True  # auto: False keeps only the first call a model wrote (the grammar bounds required)
 
 
 def call_id(parser: Parser | None) -> str:
@@ -69,7 +71,7 @@ def plan_tools(req, chat_template: str | None, parser_setting: str = "auto") -> 
         return None
     parser = detect_parser(chat_template) if parser_setting == "auto" else get_parser(parser_setting)
     if choice == "auto":
-        return ToolPlan("auto", parser=parser) if parser is not None else None
+        return ToolPlan("auto", parser=parser, parallel=req.parallel_tool_calls) if parser is not None else None
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, "tool_choice: a forced tool call cannot be combined with a `response_format`; "
                        "the tool's parameters already constrain the output", param="tool_choice",
@@ -92,7 +94,7 @@ def plan_tools(req, chat_template: str | None, parser_setting: str = "auto") -> 
 
 def _parameters(schema: dict | None, index: int) -> dict:
     param = f"tools[{index}].function.parameters"
-    schema = OPEN_OBJECT if schema is None else schema
+    schema = NO_PARAMETERS if schema is None else schema
     _grammar(schema, param)  # each tool's schema on its own, so a bad one is named by its index
     return schema
 

@@ -124,7 +124,7 @@ class ToolCallStream:
         calls = parser.parse(self.text[self._calls_from:])
         if calls is None:  # a marker, then no well-formed call: the model's text, as text
             return deltas + [{"content": self.text[self._at:]}]
-        for call in calls:
+        for call in calls if self.plan.parallel else calls[:1]:
             deltas += [self._header(call.name), self._arguments(call.arguments)]
         return deltas
 
