@@ -87,6 +87,10 @@ def test_auto_without_a_call_is_text(client):
     none = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
     assert auto.message.tool_calls is None and auto.finish_reason in ("stop", "length")
     assert auto.message.content and auto.message.content == none.message.content
+    chunks = list(client.chat.completions.create(**kwargs, tool_choice="auto", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == auto.message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == auto.finish_reason
 
 
 def test_tool_round_trip_is_rendered_and_answered(client, server):
