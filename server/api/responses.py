@@ -110,7 +110,7 @@ def _tool_chunks(stream: ToolCallStream, out: RequestOutput, logprobs: dict | No
     deltas = stream.feed(out.new_text) + (stream.finish() if out.finished else [])
     if not deltas and (logprobs is not None or finish):
         deltas = [{}]
-    parts = [{"delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    parts = [{"delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None} for d in deltas]
     if parts:
         parts[0]["logprobs"] = logprobs
         if finish:

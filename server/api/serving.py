@@ -138,11 +138,9 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # the template already writes any BOS it wants: adding special tokens again would double it
     ids = tokenizer.encode(text, add_special_tokens=False)
-    job = _make_job(state, req, "chatcmpl", "messages", [ids], max_tokens,
-                    default_max_tokens=None,
-                    top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, tools=tools)
-    job.tools = tools
-    return job
+    return _make_job(state, req, "chatcmpl", "messages", [ids], max_tokens,
+                     default_max_tokens=None,
+                     top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, tools=tools)
 
 
 def render_chat(state: ServerState, messages, add_generation_prompt: bool, tools=None) -> str:
@@ -239,7 +237,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
     opts = req.stream_options
     return Job(job_id, choices, [len(p) for p in prompts], req.priority, req.stream,
                include_usage=bool(opts and opts.include_usage),
-               continuous_usage=bool(opts and opts.continuous_usage_stats))
+               continuous_usage=bool(opts and opts.continuous_usage_stats), tools=tools)
 
 
 def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None,
