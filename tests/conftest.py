@@ -91,6 +91,7 @@ SLOW_MODULES = {
     "test_server_admin", "test_server_admin_port", "test_server_drain", "test_server_heavy_requests",
     "test_server_limits", "test_server_openai", "test_server_prefix_cache", "test_server_robustness",
     "test_server_schemathesis", "test_server_slow_clients", "test_server_structured_output", "test_server_tokenize",
+    "test_server_tools",
     "test_structured_output",
     "test_triton_attention", "test_triton_compile", "test_triton_gpu_benchmark", "test_triton_layer_ops",
     "test_triton_model_runner", "test_tuning_benchmark_smoke", "test_tuning_e2e", "test_tuning_live",

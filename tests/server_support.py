@@ -71,7 +71,7 @@ class InProcessServer:
 
     def __init__(self, model: str | None, *, model_name: str = "test-model", max_queue=None, api_key=None,
                  admin_token=None, drain_timeout: float = 10.0, limits=None, scheduling_policy: str = "fcfs",
-                 core_in_process: bool = False, **engine_options):
+                 core_in_process: bool = False, tool_call_parser: str = "auto", **engine_options):
         from iterserve.server.api.app import create_app
         from iterserve.server.engine.core_client import EngineClient
         from iterserve.server.entrypoints.serve_cmd import build_server_state, make_uvicorn_server
@@ -82,7 +82,8 @@ class InProcessServer:
         self.engine.start()
         self.core = self.engine.core
         self.state = build_server_state(self.engine, model_name, max_queue=max_queue, api_key=api_key,
-                                        admin_token=admin_token, limits=limits, scheduling_policy=scheduling_policy)
+                                        admin_token=admin_token, limits=limits, scheduling_policy=scheduling_policy,
+                                        tool_call_parser=tool_call_parser)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_uvicorn_server(create_app(self.state), self.state, host="127.0.0.1", port=self.port,

@@ -55,6 +55,7 @@ MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256  # text parts of one message
 MAX_LOGPROBS = 20  # OpenAI's limit on logprobs / top_logprobs
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_TOOLS = 128  # OpenAI's limit on tools per request (also on tool calls per message here)
 
 
 class _Model(BaseModel):
@@ -155,10 +156,55 @@ class TextPart(_Model):
     text: Str
 
 
+FunctionName = Annotated[str, Strict(), Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for names
+
+
+class FunctionDefinition(_Model):
+    name: FunctionName
+    description: Str | None = None
+    parameters: dict | None = None  # a JSON schema; None: no arguments (OpenAI's default)
+    strict: Bool | None = None  # arguments are always enforced when a call is forced (`tool_calls.py`)
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: FunctionName
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Model):
+    name: Str
+    arguments: Str  # JSON text, as OpenAI's clients send it back
+
+
+class ToolCall(_Model):
+    id: Str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: Str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant messages
+    tool_call_id: Str | None = None  # tool messages: the call they answer
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"`tool_calls` is given only in assistant messages, not in a {self.role} message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"`tool_call_id` is given only in tool messages, not in a {self.role} message")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -173,6 +219,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
 
 
 class TokenizeCompletionRequest(_Model):
@@ -191,6 +240,7 @@ class TokenizeChatRequest(_Model):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: Bool = True
     add_special_tokens: Bool = False  # the template writes the special tokens it wants
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # rendered as for a chat request
     return_token_strs: Bool = False
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from iterserve.server.api.output_stream import StalledReaderError
 from iterserve.server.api.serving import Job, ServerState, job_outputs
+from iterserve.server.api.tool_stream import ToolCallStream, message
 from iterserve.server.engine.core_client import EngineStepError, EngineStoppedError
 from iterserve.server.engine.outputs import RequestOutput
 
@@ -91,13 +92,30 @@ def chat_body(state: ServerState, job: Job, final: dict[int, RequestOutput]) -> 
     choices = []
     for c in job.choices:
         out = final[c.index]
+        msg, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+        if job.tools is not None:
+            msg, finish = message(job.tools, out.text, finish)
         choices.append({
-            "index": c.index, "message": {"role": "assistant", "content": out.text},
+            "index": c.index, "message": msg,
             "logprobs": chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs),
-            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+            "finish_reason": finish, "stop_reason": out.stop_reason,
         })
     return {"id": job.id, "object": "chat.completion", "created": job.created, "model": state.model_name,
             "choices": choices, "usage": usage(job, sum(len(o.token_ids) for o in final.values()), _cached(final))}
+
+
+def _tool_chunks(stream: ToolCallStream, out: RequestOutput, logprobs: dict | None, finish: str | None) -> list[dict]:
+    """One step's chunks of a choice with tools: its deltas (the step's logprobs on the first, the finish
+    on the last). A step whose text is held back sends nothing, unless it carries logprobs or the finish."""
+    deltas = stream.feed(out.new_text) + (stream.finish() if out.finished else [])
+    if not deltas and (logprobs is not None or finish):
+        deltas = [{}]
+    parts = [{"delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None} for d in deltas]
+    if parts:
+        parts[0]["logprobs"] = logprobs
+        if finish:
+            parts[-1].update(finish_reason=stream.finish_reason(finish), stop_reason=out.stop_reason)
+    return parts
 
 
 _STREAM_ERRORS = {EngineStepError: (500, "internal_error"), EngineStoppedError: (503, "service_unavailable"),
@@ -123,6 +141,7 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
             body["usage"] = extra_usage
         return _sse(body)
 
+    tool_streams = {c.index: ToolCallStream(job.tools) for c in job.choices} if chat and job.tools else {}
     if chat:
         for c in job.choices:
             yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -140,10 +159,13 @@ async def stream_events(state: ServerState, job: Job, queues, chat: bool) -> Asy
             running_usage = usage(job, num_tokens, cached) if job.continuous_usage else None
             finish = out.finish_reason if out.finished else None
             if chat:
+                logprobs = chat_logprobs(state, out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
+                if index in tool_streams:
+                    for part in _tool_chunks(tool_streams[index], out, logprobs, finish):
+                        yield chunk({"index": index, **part}, running_usage)
+                    continue
                 delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-                yield chunk({"index": index, "delta": delta,
-                             "logprobs": chat_logprobs(state, out.new_token_ids, out.new_logprobs,
-                                                       out.new_top_logprobs),
+                yield chunk({"index": index, "delta": delta, "logprobs": logprobs,
                              "finish_reason": finish, "stop_reason": out.stop_reason if finish else None},
                             running_usage)
             else:

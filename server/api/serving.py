@@ -25,6 +25,7 @@ from iterserve.server.api.limits import ServerLimits
 from iterserve.server.api.output_stream import merged_outputs
 from iterserve.server.api.protocol import (MAX_CHOICES, SEED_MAX, ChatCompletionRequest, CompletionRequest,
                                            parse_body)
+from iterserve.server.api.tool_calls import ToolPlan, plan_tools, template_messages, template_tools
 from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ class ServerState:
     admin_token: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     scheduling_policy: str = "fcfs"  # "priority" honours the requests' `priority`
+    tool_call_parser: str = "auto"  # auto: chosen from the chat template (tool_parsers.detect_parser)
     draining: bool = False
     drain_started: float | None = None
     metrics: object | None = None  # api.metrics.Metrics
@@ -81,6 +83,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None  # chat with tools: how the output becomes tool calls (tool_stream)
 
 
 def check_admission(state: ServerState, job: Job) -> None:
@@ -130,24 +133,26 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
         raise APIError(400, "top_logprobs: when using `top_logprobs`, `logprobs` must be set to true",
                        param="top_logprobs", code="invalid_value")
     tokenizer = state.engine.tokenizer
-    text = render_chat(state, req.messages, add_generation_prompt=True)
+    text = render_chat(state, req.messages, add_generation_prompt=True, tools=req.tools)
+    tools = plan_tools(req, tokenizer.chat_template, state.tool_call_parser)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # the template already writes any BOS it wants: adding special tokens again would double it
     ids = tokenizer.encode(text, add_special_tokens=False)
     return _make_job(state, req, "chatcmpl", "messages", [ids], max_tokens,
                      default_max_tokens=None,
-                     top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                     top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, tools=tools)
 
 
-def render_chat(state: ServerState, messages, add_generation_prompt: bool) -> str:
-    """`messages` through the model's chat template (400 naming `messages` when it cannot be)."""
+def render_chat(state: ServerState, messages, add_generation_prompt: bool, tools=None) -> str:
+    """`messages` (and `tools`) through the model's chat template (400 naming `messages` when it cannot be)."""
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer and so no chat template; use /v1/completions "
                        "with token ids", param="messages")
-    dicts = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    dicts = template_messages(messages)
+    extra = {"tools": template_tools(tools)} if tools else {}  # HF's convention: absent without tools
     try:
-        return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **extra)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -192,7 +197,8 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 
 
 def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: list[list[int]],
-              max_tokens: int | None, *, default_max_tokens: int | None, top_logprobs: int | None) -> Job:
+              max_tokens: int | None, *, default_max_tokens: int | None, top_logprobs: int | None,
+              tools: ToolPlan | None = None) -> Job:
     """top_logprobs: None for no logprobs, else how many alternatives to list per token (0: none)."""
     engine = state.engine
     max_len = engine.max_model_len
@@ -208,7 +214,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                        param=prompt_param, code="invalid_value")
     job_id = f"{prefix}-{uuid.uuid4().hex}"
     logit_bias = _logit_bias(req, engine.vocab_size)
-    structured = _structured_output(state, req)
+    structured = tools.structured if tools is not None and tools.structured else _structured_output(state, req)
     choices = []
     for p_index, ids in enumerate(prompts):
         wanted = max_tokens if max_tokens is not None else (default_max_tokens or max_len - len(ids))
@@ -231,7 +237,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
     opts = req.stream_options
     return Job(job_id, choices, [len(p) for p in prompts], req.priority, req.stream,
                include_usage=bool(opts and opts.include_usage),
-               continuous_usage=bool(opts and opts.continuous_usage_stats))
+               continuous_usage=bool(opts and opts.continuous_usage_stats), tools=tools)
 
 
 def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None,

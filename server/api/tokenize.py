@@ -31,7 +31,8 @@ def tokenize(state: ServerState, body: bytes, content_type: str | None) -> dict:
     req = parse_body(TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest, body, content_type)
     check_model(state, req.model)
     if isinstance(req, TokenizeChatRequest):
-        text = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt)
+        text = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt,
+                           tools=req.tools)
     else:
         text = req.prompt
     ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)

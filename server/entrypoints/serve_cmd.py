@@ -20,6 +20,7 @@ import sys
 import time
 
 from iterserve.common import wire
+from iterserve.server.api.tool_parsers import PARSERS
 from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints import admin_listener
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
@@ -47,6 +48,11 @@ def register(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
+                   help="the format tool calls of tool_choice=auto are read in (default: auto, from the chat "
+                        "template's markers; no known marker: the output stays text)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice=auto is always enabled here")
     add_server_limit_args(p)
     add_engine_args(p)
     p.set_defaults(run=run)
@@ -73,7 +79,8 @@ def _validate(args) -> None:
 
 
 def build_server_state(engine, model_name: str, *, max_queue: int | None = None, api_key: str | None = None,
-                       admin_token: str | None = None, limits=None, scheduling_policy: str = "fcfs"):
+                       admin_token: str | None = None, limits=None, scheduling_policy: str = "fcfs",
+                       tool_call_parser: str = "auto"):
     """The metrics and shared state of one server around a started EngineClient (also used by the tests)."""
     from iterserve.server.api.limits import ServerLimits
     from iterserve.server.api.metrics import Metrics
@@ -81,7 +88,8 @@ def build_server_state(engine, model_name: str, *, max_queue: int | None = None,
 
     check_secrets(api_key, admin_token)
     state = ServerState(engine, model_name, max_queue=max_queue, api_key=api_key, admin_token=admin_token,
-                        limits=limits or ServerLimits(), scheduling_policy=scheduling_policy)
+                        limits=limits or ServerLimits(), scheduling_policy=scheduling_policy,
+                        tool_call_parser=tool_call_parser)
     state.metrics = Metrics(engine, model_name)
     if engine.tokenizer is not None:
         # the schema checks of response_format need xgrammar, whose import takes seconds (it brings
@@ -155,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
                        "log above says why; iterserve:cpu_kernels_available shows it)", ", ".join(missing))
     state = build_server_state(engine, served_model_name(args.model, args.served_model_name),
                                max_queue=args.max_queue, api_key=args.api_key, admin_token=args.admin_token,
-                               limits=limits, scheduling_policy=args.scheduling_policy)
+                               limits=limits, scheduling_policy=args.scheduling_policy,
+                               tool_call_parser=args.tool_call_parser)
     app, admin = admin_listener.split(create_app(state), host=args.host, admin_port=args.admin_port,
                                       log_level=args.log_level)
     server = make_uvicorn_server(app, state, host=args.host, port=args.port,
