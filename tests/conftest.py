@@ -69,7 +69,7 @@ def _tiny_family(tmp_path_factory, name: str):
                 "long_factor": [2.0 + i for i in range(8)]})),
         "gemma2": lambda: (tf.Gemma2ForCausalLM, tf.Gemma2Config(
             **TINY, **special, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
-            attn_logit_softcapping=2.0, final_logit_softcapping=30.0)),
+            attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
         "gemma3": lambda: (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
             **TINY, **special, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"])),

@@ -6,6 +6,7 @@ with an 8-token sliding window and a soft-cap that bites)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from iterserve.server.errors import InvalidRequestError
 from tests.conftest import make_engine
@@ -51,3 +52,18 @@ def test_triton_kernels_serve_the_families_without_masked_layers(tiny_family, fa
 def test_triton_backend_is_refused_for_sliding_window_and_soft_capped_layers(tiny_family):
     with pytest.raises(InvalidRequestError, match="triton does not implement .*Gemma2ForCausalLM"):
         make_engine(tiny_family("gemma2")[0], attention_backend="triton")
+
+
+def test_gemma2_final_soft_cap_in_the_logprobs(tiny_family):
+    """Greedy tokens cannot show the final logit soft-cap (tanh keeps the order); the logprobs do: a cap
+    of 5 squeezes this model's logits, and the engine's top-5 equal HF's for every generated position."""
+    from tests.test_triton_model_runner import generate
+
+    path, model = tiny_family("gemma2")
+    prompt = workload(1, seed=13, max_prompt=30)[0][0]
+    (tokens, logprobs), = generate(make_engine(path), [(prompt, 6)])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    expected = torch.log_softmax(logits.float(), dim=-1).topk(5).values
+    assert logits.abs().max() < 5.0  # capped: without the cap this model's logits exceed it
+    torch.testing.assert_close(logprobs, expected, atol=1e-4, rtol=0)
