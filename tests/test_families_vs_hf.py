@@ -67,3 +67,18 @@ def test_gemma2_final_soft_cap_in_the_logprobs(tiny_family):
     expected = torch.log_softmax(logits.float(), dim=-1).topk(5).values
     assert logits.abs().max() < 5.0  # capped: without the cap this model's logits exceed it
     torch.testing.assert_close(logprobs, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2", "gemma3"])
+def test_bf16_is_close_to_hf_bf16(tiny_family, family):
+    """bf16 (what --dtype auto picks on CPUs with native bf16) against HF's own bf16 run, with
+    tests/test_bf16.py's check: equal up to a rounding flip between top candidates."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_bf16 import assert_close_to_hf, hf_bf16_reference, run_bf16
+
+    path = tiny_family(family)[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = [p for p, _ in workload(6, seed=21, max_prompt=30)]
+    _, outputs = run_bf16(path, prompts, max_num_seqs=6)
+    assert_close_to_hf(outputs, hf_bf16_reference(model, prompts))

@@ -73,10 +73,6 @@ class ModelConfig:
         return limit
 
     @property
-    def is_gemma(self) -> bool:
-        return self.architecture in GEMMA_ARCHITECTURES
-
-    @property
     def needs_masked_attention(self) -> bool:
         """Whether some layer needs in-attention sliding windows or soft-capping (the Triton and C++
         decode kernels implement neither; those layers take the torch path)."""
