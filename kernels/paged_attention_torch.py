@@ -6,6 +6,10 @@ cache viewed as [num_blocks, block_size * num_kv_heads * head_dim]) per index. O
 bfloat16, single-query requests go to the C++ decode kernel of cpu_paged_attention.py instead, and
 multi-query ones (prefill chunks) all together to its prefill kernel; both read the cache in place. The
 gather + SDPA below stays as their reference and their fallback.
+
+Layers with a sliding window or a score soft-cap (Gemma) always take the gather path: the window is
+one more mask term, and soft-capped scores go through the explicit softmax of `_softcapped_attention`
+(SDPA has no soft-cap); the C++ kernels implement neither.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: the same tokens' [num_tokens, num_kv_heads, head_dim].
 
-    Writes k, v into the cache, then returns attention output shaped like q.
+    Writes k, v into the cache, then returns attention output shaped like q. sliding_window: each query
+    sees only the keys less than this many positions behind it (itself included), as in HF; softcap:
+    scores become softcap * tanh(scores / softcap) before the mask and softmax.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -38,6 +45,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         cpu_paged_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if sliding_window is not None or softcap is not None:
+        return _masked_paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
     if use_kernel and meta.decode_only:  # every token is its request's only query: no gather, no scatter
         g = meta.single_groups[0]
         return cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, g.context_blocks, g.context_lens,
@@ -88,3 +97,58 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         )
         out[mq.start : mq.start + mq.num_query] = o[0].transpose(0, 1)
     return out
+
+
+def _masked_paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                            sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """paged_attention's gather path with a sliding window and/or soft-cap; K/V already written."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    out = torch.empty_like(q)
+    k_blocks = k_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
+    v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
+    for g in meta.single_groups:
+        batch = g.context_blocks.shape[0]
+        mask = g.context_mask  # [batch, 1, 1, ctx]
+        if sliding_window is not None:  # the query sits at context_len - 1
+            key_pos = torch.arange(mask.shape[-1], device=q.device)
+            mask = mask & (key_pos[None, :] > g.context_lens[:, None] - 1 - sliding_window)[:, None, None, :]
+        flat = g.context_blocks.reshape(-1)
+        ks = k_blocks.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vs = v_blocks.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        qs = q.index_select(0, g.token_index).view(batch, num_heads, 1, head_dim)
+        o = _attend(qs, ks, vs, mask, scale, softcap)
+        out.index_copy_(0, g.token_index, o.reshape(batch, num_heads, head_dim))
+    for mq in meta.multi:
+        qm = q[mq.start : mq.start + mq.num_query].transpose(0, 1)[None]
+        if mq.context_blocks is None:
+            km, vm = k[mq.start : mq.start + mq.num_query], v[mq.start : mq.start + mq.num_query]
+        else:
+            ctx = mq.mask.shape[-1]
+            km = k_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+            vm = v_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+        ctx = km.shape[0]
+        query_pos = torch.arange(ctx - mq.num_query, ctx, device=q.device)[:, None]
+        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask = mask & (key_pos > query_pos - sliding_window)
+        o = _attend(qm, km.transpose(0, 1)[None], vm.transpose(0, 1)[None], mask, scale, softcap)
+        out[mq.start : mq.start + mq.num_query] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """q [b, heads, n, d] against k, v [b, kv_heads, ctx, d] under a boolean mask broadcast to
+    [b, heads, n, ctx]. Without a soft-cap, SDPA; with one, HF's eager arithmetic: scores in q's dtype,
+    capped, softmax in fp32, rounded back to q's dtype before the product with v."""
+    group = q.shape[1] // k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

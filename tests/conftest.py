@@ -20,13 +20,17 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
-def save_tiny(model_cls, config, path):
+def save_tiny(model_cls, config, path, qk_gain: float = 1.0):
+    """qk_gain scales the q and k projections: attention scores large enough for a soft-cap to bite."""
     torch.manual_seed(0)
     model = model_cls(config).eval()
     # Random init gives near-uniform logits, where a last-bit difference could flip an argmax;
     # sharpen the head so greedy decoding has clear winners, as a trained model does.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(qk_gain)
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
     return model
@@ -48,6 +52,44 @@ def tiny_qwen2(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2")
     config = Qwen2Config(**TINY, tie_word_embeddings=True)
     return str(path), save_tiny(Qwen2ForCausalLM, config, path)
+
+
+def _tiny_family(tmp_path_factory, name: str):
+    """A tiny random model of one of the families beyond Llama/Qwen2, with the features that set it apart
+    switched on at sizes a short prompt reaches (an 8-token sliding window, a soft-cap that bites)."""
+    import transformers as tf
+
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model_cls, config = {
+        "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True)),
+        "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(**TINY, **special)),
+        "phi3-longrope": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
+            **TINY, **special, original_max_position_embeddings=256, rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)]})),
+        "gemma2": lambda: (tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            **TINY, **special, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+        "gemma3": lambda: (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            **TINY, **special, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"])),
+    }[name]()
+    path = tmp_path_factory.mktemp(f"tiny-{name}")
+    return str(path), save_tiny(model_cls, config, path, qk_gain=30.0 if name == "gemma2" else 1.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """name -> (path, HF model) of a tiny model of that family (qwen3, phi3, phi3-longrope, gemma2,
+    gemma3), built once."""
+    built: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = _tiny_family(tmp_path_factory, name)
+        return built[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +128,7 @@ KUBE_FIXTURES = {"kube_cluster", "kube_namespace"}
 # default model (seconds to minutes each). `-m "not kube and not slow"` is the fast pass (README).
 SLOW_MODULES = {
     "test_bf16", "test_cpu_kernels_prebuilt", "test_cpu_layer_ops", "test_cpu_layer_ops_bf16", "test_cpu_linear",
-    "test_cpu_paged_attention", "test_default_model", "test_engine_vs_hf", "test_loader",
+    "test_cpu_paged_attention", "test_default_model", "test_engine_vs_hf", "test_families_vs_hf", "test_loader",
     "test_logits_processing", "test_prefix_cache_vs_hf", "test_tokenizer",
     "test_server_admin", "test_server_admin_port", "test_server_drain", "test_server_heavy_requests",
     "test_server_limits", "test_server_openai", "test_server_prefix_cache", "test_server_robustness",

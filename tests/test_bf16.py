@@ -58,6 +58,11 @@ def bundled():
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    return str(path), prompts, hf_bf16_reference(model, prompts)
+
+
+def hf_bf16_reference(model, prompts: list[list[int]]) -> list[tuple[list[int], list[set[int]]]]:
+    """HF's greedy run of each prompt: (tokens, top-TOP token ids per position)."""
     reference = []
     with torch.no_grad():
         for ids in prompts:
@@ -67,7 +72,7 @@ def bundled():
             tokens = out.sequences[0, len(ids):].tolist()
             tops = [set(scores[0].float().topk(TOP).indices.tolist()) for scores in out.scores]
             reference.append((tokens, tops))
-    return str(path), prompts, reference
+    return reference
 
 
 def run_bf16(path: str, prompts: list[list[int]], **options):

@@ -192,6 +192,10 @@ def test_unsupported_gguf_tokenizers(tmp_path):
     write_tokenizer_gguf(tmp_path / "pre.gguf", "mystery-pre")
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'mystery-pre'.*supported: .*smollm"):
         load_tokenizer(tmp_path / "pre.gguf")
+    write_tokenizer_gguf(tmp_path / "t5.gguf", "default", model="t5")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model 't5'.*not supported.*llama \\(SentencePiece\\)"):
+        load_tokenizer(tmp_path / "t5.gguf")
+    # SentencePiece vocabularies (tests/test_gguf_spm_tokenizer.py) need their scores
     write_tokenizer_gguf(tmp_path / "spm.gguf", "default", model="llama")
-    with pytest.raises(ValueError, match="tokenizer.ggml.model 'llama'.*not supported"):
+    with pytest.raises(ValueError, match="tokenizer.ggml.scores"):
         load_tokenizer(tmp_path / "spm.gguf")

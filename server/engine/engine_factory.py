@@ -85,6 +85,20 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
+def _backend_for_model(backend: str, requested: str, mc) -> str:
+    """The Triton kernels implement neither sliding windows nor score soft-capping: a model that needs
+    them (Gemma) runs the torch attention path, chosen for it under `auto` and refused for `triton`."""
+    if backend != "triton" or not mc.needs_masked_attention:
+        return backend
+    if requested == "auto":
+        logger.warning("%s needs sliding-window or soft-capped attention, which the Triton kernels do not "
+                       "implement; attention runs on the torch path", mc.architecture)
+        return "torch"
+    raise InvalidRequestError(
+        "attention_backend", f"triton does not implement the sliding-window/soft-capped attention "
+        f"{mc.architecture} needs; use torch (or auto)")
+
+
 def build_engine_core(config: EngineConfig) -> BuiltCore:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -96,9 +110,8 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
     loaded = load_model(config.model, config.load_format)
     tokenizer = _load_tokenizer(config, loaded.path)
     mc = loaded.config
-    context_len = mc.max_position_embeddings
-    if mc.sliding_window:
-        context_len = min(context_len, mc.sliding_window)  # no sliding-window attention: stay inside it
+    backend = _backend_for_model(backend, config.attention_backend, mc)
+    context_len = mc.context_len
     if config.max_model_len is not None and config.max_model_len > context_len:
         raise InvalidRequestError(
             "max_model_len", f"{config.max_model_len} exceeds the model's context length {context_len}"

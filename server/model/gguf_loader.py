@@ -1,6 +1,9 @@
 """Read a llama.cpp GGUF file into a ModelConfig and float32 weights under Hugging Face names.
 
-Quantized tensors are dequantized once at load time (the engine runs unquantized weights).
+Quantized tensors are dequantized once at load time (the engine runs unquantized weights). Tensor names
+are translated with gguf-py's own TensorNameMap, the table llama.cpp's convert_hf_to_gguf.py names
+them by, so each architecture's names (Gemma's four norms, Phi-3's fused tensors) come from one place.
+What the converter changed is undone: Llama's q/k row permutation, Gemma's norms stored as 1 + w.
 """
 
 from __future__ import annotations
@@ -8,7 +11,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from typing import Any
 
 import gguf
@@ -17,27 +19,16 @@ import torch
 
 from iterserve.server.model.model_config import ModelConfig
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_GEMMA = ("gemma2", "gemma3")
 # llama.cpp stores Llama-3 rope scaling as precomputed per-frequency divisors, not as parameters.
 _ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE factors: present only in files whose rope this engine does not implement
+_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
+# llama.cpp runs Gemma's largest models (by layer count) with query_pre_attn_scalar = hidden / heads,
+# which is what their HF configs say; every other size uses head_dim. The GGUF does not store it.
+_GEMMA_HIDDEN_PER_HEAD_SCALE = {"gemma2": 46, "gemma3": 62}
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -70,29 +61,40 @@ def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    config = _config(reader, tensors, path)
+    arch, config = _config(reader, tensors, path)
+    names = _gguf_names(arch, config)
+    unknown = sorted(set(tensors) - set(names.values()) - {_ROPE_FREQS})
+    if unknown:
+        raise ValueError(f"model: GGUF tensor {unknown[0]} is not a known {arch} tensor")
     weights = {}
-    for name, tensor in tensors.items():
-        if name == _ROPE_FREQS:
-            continue
-        hf_name = _hf_name(name)
-        data = _dequantize(tensor, path)
-        if config.architecture == "LlamaForCausalLM" and ".attn_q." in name:
+    for hf_name, name in names.items():
+        if name not in tensors:
+            continue  # check_weights names what is missing
+        data = _dequantize(tensors[name], path)
+        if arch == "llama" and ".attn_q." in name:
             data = _unpermute(data, config.num_attention_heads)
-        elif config.architecture == "LlamaForCausalLM" and ".attn_k." in name:
+        elif arch == "llama" and ".attn_k." in name:
             data = _unpermute(data, config.num_key_value_heads)
+        elif arch in _GEMMA and hf_name.endswith("norm.weight"):
+            data = data - 1.0  # the converter stored Gemma's (1 + w); the HF tensor is w
         weights[hf_name] = data
     return config, weights
 
 
-def _hf_name(name: str) -> str:
-    if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
-    match = _LAYER_RE.fullmatch(name)
-    if not match or match.group(2) not in _LAYER_TENSORS:
-        raise ValueError(f"model: GGUF tensor {name} is not a known Llama/Qwen2 tensor")
-    layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+def _gguf_names(arch: str, config: ModelConfig) -> dict[str, str]:
+    """HF checkpoint name -> GGUF tensor name for every tensor the model needs."""
+    from iterserve.server.model.registry import model_class
+
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    table = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    names = {}
+    for hf_name in model_class(config).checkpoint_shapes(config):
+        base, suffix = hf_name.rsplit(".", 1)
+        name = table.get_name(base)
+        if name is None:  # a model/table mismatch, not a user's error
+            raise ValueError(f"model: no GGUF name for tensor {hf_name} of architecture {arch}")
+        names[hf_name] = f"{name}.{suffix}"
+    return names
 
 
 def _dequantize(tensor: Any, path: str) -> torch.Tensor:
@@ -119,7 +121,7 @@ def _unpermute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weights.shape).contiguous()
 
 
-def _config(reader: gguf.GGUFReader, tensors: dict[str, Any], path: str) -> ModelConfig:
+def _config(reader: gguf.GGUFReader, tensors: dict[str, Any], path: str) -> tuple[str, ModelConfig]:
     arch = metadata(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
@@ -150,12 +152,16 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, Any], path: str) -> Mode
         if token is not None and token not in eos_ids:
             eos_ids.append(token)
 
-    return ModelConfig(
+    if any(name in tensors for name in _LONGROPE):
+        raise ValueError(f"model: {path} uses Phi-3 LongRoPE scaling (rope_factors_long/short), which is not supported")
+    intermediate, layers = required("feed_forward_length"), required("block_count")
+    window = metadata(reader, f"{arch}.attention.sliding_window")
+    return arch, ModelConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=required("feed_forward_length"),
-        num_hidden_layers=required("block_count"),
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=metadata(reader, f"{arch}.attention.head_count_kv") or heads,
         head_dim=head_dim,
@@ -167,7 +173,31 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, Any], path: str) -> Mode
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
+        # Phi-3's window caps the context (as for HF checkpoints); Gemma's applies to its local layers
+        sliding_window=window if arch in ("phi3", *_GEMMA) else None,
+        layer_types=_gemma_layer_types(reader, arch, layers),
+        qk_norm=arch in ("qwen3", "gemma3"),
+        query_pre_attn_scalar=(hidden / heads if layers == _GEMMA_HIDDEN_PER_HEAD_SCALE[arch] else head_dim)
+        if arch in _GEMMA else None,
+        attn_logit_softcapping=metadata(reader, f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=metadata(reader, f"{arch}.final_logit_softcapping"),
+        # llama.cpp's own default for Gemma 3's local layers when the file does not say
+        local_rope_theta=float(metadata(reader, f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
     )
+
+
+def _gemma_layer_types(reader: gguf.GGUFReader, arch: str, layers: int) -> tuple[str, ...] | None:
+    """Local/global layers as llama.cpp runs them: Gemma 2 alternates from a local first layer; Gemma 3
+    has `sliding_window_pattern` (one flag per layer, or a period), five local then one global if absent."""
+    if arch not in _GEMMA:
+        return None
+    pattern = metadata(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"model: GGUF metadata {arch}.attention.sliding_window_pattern has {len(pattern)} "
+                             f"entries for {layers} layers")
+        return tuple("sliding_attention" if local else "full_attention" for local in pattern)
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any], head_dim: int) -> dict | None:

@@ -1,4 +1,5 @@
-"""The Llama family in torch (Llama, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU, tied or untied head.
+"""The Llama family in torch (Llama, Mistral, Qwen2, Qwen3): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
+head, optional q/k norms (Qwen3). Phi-3 (phi3.py) and Gemma (gemma.py) build on these classes.
 
 It runs on a flattened batch: `input_ids` and `positions` are [num_tokens] across all requests of the
 step, and attention goes through the paged KV cache (see kernels/attention_metadata.py). q/k/v and
@@ -40,7 +41,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn, layer_ops: type[LayerOps]):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, attention_fn: AttentionFn,
+                 layer_ops: type[LayerOps]):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -52,16 +54,31 @@ class Attention(nn.Module):
         self.rope = rope
         self.attention_fn = attention_fn
         self.layer_ops = layer_ops
-        self.scale = self.head_dim**-0.5
+        # Qwen3/Gemma 3: each q and k head is RMS-normalized before RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        # Passed only by the layers that need them, so every other layer keeps the kernels' fast path.
+        self.attention_options: dict[str, float] = {}
+        if cfg.layer_window(layer):
+            self.attention_options["sliding_window"] = cfg.layer_window(layer)
+        if cfg.attn_logit_softcapping:
+            self.attention_options["softcap"] = cfg.attn_logit_softcapping
 
     def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k heads are rotated together: half the small ops of rotating each
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk_size = self.q_size + self.kv_size
+        if self.q_norm is None:
+            # q and k heads are rotated together: half the small ops of rotating each
+            qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(n, self.num_kv_heads, self.head_dim))
+            qk = torch.cat((q, k), dim=1)
         q, k = self.layer_ops.rotary(self.rope, positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        o = self.attention_fn(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
+        o = self.attention_fn(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **self.attention_options)
         return self.o_proj(o.view(n, self.q_size))
 
 
@@ -77,10 +94,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn, layer_ops: type[LayerOps]):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, attention_fn: AttentionFn,
+                 layer_ops: type[LayerOps]):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, attention_fn, layer_ops)
+        self.self_attn = Attention(cfg, layer, rope, attention_fn, layer_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer_ops)
         self.layer_ops = layer_ops
@@ -94,7 +112,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints alike."""
+    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM checkpoints alike."""
+
+    decoder_layer = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn, max_positions: int,
                  layer_ops: type[LayerOps] = TorchLayerOps):
@@ -102,9 +122,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.layer_ops = layer_ops
         self.rope = RotaryEmbedding(cfg, max_positions)
+        # Gemma 3's sliding-window layers rotate with their own theta
+        self.local_rope = RotaryEmbedding(cfg, max_positions, local=True) if cfg.local_rope_theta else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rope, attention_fn, layer_ops) for _ in range(cfg.num_hidden_layers)
+            self.decoder_layer(cfg, i, self.layer_rope(i), attention_fn, layer_ops) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
@@ -113,17 +135,28 @@ class LlamaForCausalLM(nn.Module):
         # set by pack_linears(), on the CPU only (see cpu_linear.py), once the model will not move any more
         self.packed_lm_head: PackedLinear | None = None
 
+    def layer_rope(self, layer: int) -> RotaryEmbedding:
+        if self.local_rope is not None and self.config.layer_window(layer):
+            return self.local_rope
+        return self.rope
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         return self.layer_ops.add_rms_norm(self.norm, x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
-        return F.linear(hidden, self._lm_head_weight()).float()
+            logits = self.packed_lm_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self._lm_head_weight()).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -154,37 +187,64 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param.zero_()  # biases
 
+    def checkpoint_names(self, name: str) -> list[str]:
+        """The checkpoint tensors parameter `name` is made of, concatenated in order: HF names q/k/v and
+        gate/up apart, which are fused here into one matmul each."""
+        if name == "lm_head.weight":
+            return [name]
+        for fused, parts in (("self_attn.qkv_proj.", ("q_proj.", "k_proj.", "v_proj.")),
+                             ("mlp.gate_up_proj.", ("gate_proj.", "up_proj."))):
+            if fused in name:
+                return [f"model.{name}".replace(fused, fused.split(".")[0] + "." + part) for part in parts]
+        return [f"model.{name}"]
+
+    def checkpoint_value(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """What parameter `name` holds given its checkpoint value (Gemma stores its norms as w - 1)."""
+        return value
+
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"model: checkpoint is missing tensor {name!r}")
-            return weights[name]
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        """Copy HF-named tensors in (see checkpoint_names). Every parameter must be covered."""
+        for name, param in self.named_parameters():
+            sources = self.checkpoint_names(name)
+            missing = [s for s in sources if s not in weights]
+            if missing:
+                raise ValueError(f"model: checkpoint is missing tensor {missing[0]!r}")
+            value = self.checkpoint_value(name, torch.cat([weights[s] for s in sources]))
             if param.shape != value.shape:
                 raise ValueError(f"model: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
             param.copy_(value)
 
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
-        if not self.config.tie_word_embeddings:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
-        for i, layer in enumerate(self.layers):
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must hold, with its HF shape ([out_features, in_features] for linears)."""
+        h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+        q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
+                                              "model.norm.weight": (h,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, h)
+        for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            attn = layer.self_attn
-            qkv = [take(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]
-            put(attn.qkv_proj.weight, torch.cat(qkv), f"{p}self_attn.qkv_proj.weight")
-            if attn.qkv_proj.bias is not None:
-                bias = [take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]
-                put(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.qkv_proj.bias")
-            put(attn.o_proj.weight, take(f"{p}self_attn.o_proj.weight"), f"{p}self_attn.o_proj.weight")
-            if attn.o_proj.bias is not None:
-                put(attn.o_proj.bias, take(f"{p}self_attn.o_proj.bias"), f"{p}self_attn.o_proj.bias")
-            gate_up = [take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]
-            put(layer.mlp.gate_up_proj.weight, torch.cat(gate_up), f"{p}mlp.gate_up_proj.weight")
-            put(layer.mlp.down_proj.weight, take(f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj.weight")
-            put(layer.input_layernorm.weight, take(f"{p}input_layernorm.weight"), f"{p}input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, take(f"{p}post_attention_layernorm.weight"),
-                f"{p}post_attention_layernorm.weight")
+            shapes.update({
+                p + "self_attn.q_proj.weight": (q_out, h),
+                p + "self_attn.k_proj.weight": (kv_out, h),
+                p + "self_attn.v_proj.weight": (kv_out, h),
+                p + "self_attn.o_proj.weight": (h, q_out),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            })
+            if config.attention_bias:
+                shapes.update({
+                    p + "self_attn.q_proj.bias": (q_out,),
+                    p + "self_attn.k_proj.bias": (kv_out,),
+                    p + "self_attn.v_proj.bias": (kv_out,),
+                })
+            if config.o_proj_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if config.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        return shapes

@@ -89,33 +89,9 @@ def load_model(path: str | os.PathLike | None = None, load_format: str = "auto")
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, with its HF shape ([out_features, in_features] for linears)."""
-    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q_out, h),
-            p + "self_attn.k_proj.weight": (kv_out, h),
-            p + "self_attn.v_proj.weight": (kv_out, h),
-            p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
-        if config.attention_bias:
-            shapes.update({
-                p + "self_attn.q_proj.bias": (q_out,),
-                p + "self_attn.k_proj.bias": (kv_out,),
-                p + "self_attn.v_proj.bias": (kv_out,),
-            })
-        if config.o_proj_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-    return shapes
+    from iterserve.server.model.registry import model_class  # the model classes import torch.nn: load lazily
+
+    return model_class(config).checkpoint_shapes(config)
 
 
 def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: str) -> None:

@@ -10,9 +10,7 @@ import math
 import torch
 from torch import nn
 
-from iterserve.server.model.model_config import ModelConfig
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from iterserve.server.model.model_config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -62,11 +60,26 @@ def _yarn_inv_freq(base: float, dim: int, s: dict, max_pos: int) -> tuple[torch.
     return inv_freq, float(attention_factor)
 
 
-def compute_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scaling factor for this config."""
-    s = dict(cfg.rope_scaling or {})
+def _longrope_inv_freq(base: float, dim: int, s: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE with its short factors, which HF uses while a sequence stays within
+    original_max_position_embeddings; ModelConfig.context_len keeps every sequence there."""
+    orig = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_pos / orig
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    short = torch.tensor(s["short_factor"], dtype=torch.float32)
+    if short.shape != (dim // 2,):
+        raise ValueError(f"rope_scaling.short_factor: expected {dim // 2} factors, got {tuple(short.shape)}")
+    return 1.0 / (short * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), float(attention_factor)
+
+
+def compute_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling factor for this config; `local`: for Gemma 3's
+    sliding-window layers, which have their own theta and no scaling."""
+    s = {} if local else dict(cfg.rope_scaling or {})
     rope_type = s.get("rope_type", s.get("type", "default"))
-    base, dim = cfg.rope_theta, cfg.head_dim
+    base, dim = (cfg.local_rope_theta if local else cfg.rope_theta), cfg.head_dim
     inv_freq = _default_inv_freq(base, dim)
     if rope_type == "default":
         return inv_freq, 1.0
@@ -76,13 +89,16 @@ def compute_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return _llama3_inv_freq(inv_freq, s), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(base, dim, s, cfg.max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(base, dim, s, cfg.max_position_embeddings)
     raise ValueError(f"rope_scaling.rope_type: {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, local: bool = False):
         super().__init__()
         self.config = cfg
+        self.local = local
         self.max_positions = max_positions
         self.register_buffer("cos_cache", torch.empty(max_positions, cfg.head_dim), persistent=False)
         self.register_buffer("sin_cache", torch.empty(max_positions, cfg.head_dim), persistent=False)
@@ -95,7 +111,7 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute cos/sin in fp32 on the buffers' device; the model is built on the meta device."""
         if self.cos_cache.is_meta:
             return
-        inv_freq, scaling = compute_inv_freq(self.config)
+        inv_freq, scaling = compute_inv_freq(self.config, self.local)
         positions = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

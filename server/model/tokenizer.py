@@ -1,8 +1,9 @@
 """Tokenizer, chat template and streaming detokenizer, built on the `tokenizers` library alone.
 
-A Hugging Face directory brings its tokenizer.json. A GGUF brings only its vocabulary and merges, so
-the byte-level BPE tokenizer is rebuilt here the way llama.cpp runs it, including the pre-tokenizer
-named by `tokenizer.ggml.pre` (transformers is a test-only dependency and is not used at runtime).
+A Hugging Face directory brings its tokenizer.json. A GGUF brings only its vocabulary, so the tokenizer
+is rebuilt here the way llama.cpp runs it: byte-level BPE from its merges, with the pre-tokenizer named
+by `tokenizer.ggml.pre`, or a SentencePiece-style vocabulary from its scores (gguf_spm_vocab.py).
+transformers is a test-only dependency and is not used at runtime.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from iterserve.server.model.gguf_loader import metadata, open_gguf
+from iterserve.server.model.gguf_spm_vocab import sentencepiece_backend
 from iterserve.server.model.loader import resolve_model_path
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), grouped the way it groups `tokenizer.ggml.pre`.
@@ -147,23 +149,13 @@ def _from_hf_dir(path: str) -> Tokenizer | None:
 def _from_gguf(path: str) -> Tokenizer:
     reader = open_gguf(path)
     model = metadata(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"model: tokenizer.ggml.model {model!r} in {path} is not supported; supported: gpt2 (byte-level BPE)")
     tokens = metadata(reader, "tokenizer.ggml.tokens")
-    merges = metadata(reader, "tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise ValueError(f"model: {path} lacks tokenizer.ggml.tokens/tokenizer.ggml.merges")
-    # Older files have no `pre`; llama.cpp then falls back to GPT-2's split, and so does transformers.
-    pre = metadata(reader, "tokenizer.ggml.pre", "gpt-2")
-
-    backend = BackendTokenizer(models.BPE(
-        vocab={token: i for i, token in enumerate(tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in merges],
-        # llama.cpp takes a whole pre-token from the vocabulary before merging only for Llama-3 style files.
-        ignore_merges=pre in _LLAMA3_PRE,
-    ))
-    backend.pre_tokenizer = _pre_tokenizer(pre, path)
-    backend.decoder = decoders.ByteLevel()
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"model: tokenizer.ggml.model {model!r} in {path} is not supported; supported: "
+                         "gpt2 (byte-level BPE), llama (SentencePiece)")
+    if not tokens:
+        raise ValueError(f"model: {path} lacks tokenizer.ggml.tokens")
+    backend = _byte_level_backend(reader, tokens, path) if model == "gpt2" else sentencepiece_backend(reader, tokens, path)
     # Control tokens (<|im_start|>...) must match whole in text, not be split into bytes.
     token_types = metadata(reader, "tokenizer.ggml.token_type") or []
     backend.add_special_tokens(
@@ -178,12 +170,30 @@ def _from_gguf(path: str) -> Tokenizer:
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
     bos, eos = token("bos_token_id"), token("eos_token_id")
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says not to
     _set_post_processor(
         backend,
-        bos if metadata(reader, "tokenizer.ggml.add_bos_token", False) else None,
+        bos if metadata(reader, "tokenizer.ggml.add_bos_token", model == "llama") else None,
         eos if metadata(reader, "tokenizer.ggml.add_eos_token", False) else None,
     )
     return Tokenizer(backend, bos, eos, metadata(reader, "tokenizer.chat_template"))
+
+
+def _byte_level_backend(reader, tokens: list[str], path: str) -> BackendTokenizer:
+    merges = metadata(reader, "tokenizer.ggml.merges")
+    if merges is None:
+        raise ValueError(f"model: {path} lacks tokenizer.ggml.tokens/tokenizer.ggml.merges")
+    # Older files have no `pre`; llama.cpp then falls back to GPT-2's split, and so does transformers.
+    pre = metadata(reader, "tokenizer.ggml.pre", "gpt-2")
+    backend = BackendTokenizer(models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        # llama.cpp takes a whole pre-token from the vocabulary before merging only for Llama-3 style files.
+        ignore_merges=pre in _LLAMA3_PRE,
+    ))
+    backend.pre_tokenizer = _pre_tokenizer(pre, path)
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
 def _pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:

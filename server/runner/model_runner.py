@@ -14,8 +14,9 @@ import torch
 from iterserve.kernels import cpu_layer_ops, cpu_paged_attention
 from iterserve.server.engine.scheduler import SchedulerOutput
 from iterserve.server.model.cpu_linear import onednn_packing_supported
-from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.model_config import ModelConfig
+from iterserve.server.model.registry import build_model
+from iterserve.server.model.rope import RotaryEmbedding
 from iterserve.server.runner.backends import make_backend, num_sms
 from iterserve.server.runner.logits_processors import apply_grammar_bitmask, process_logits
 from iterserve.server.runner.sampler import EMPTY_OUTPUT, ModelRunnerOutput, sample
@@ -40,9 +41,10 @@ class ModelRunner:
         # Built on the meta device and cast there, so no time goes into random init and no full-size
         # fp32 copy is ever made on the device; weights are copied (and rounded) in after.
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, self.backend.attention_fn, max_model_len, self.backend.layer_ops)
+            model = build_model(model_config, self.backend.attention_fn, max_model_len, self.backend.layer_ops)
         model = model.to(dtype).to_empty(device=device)
-        model.rope.build_cache()  # cos/sin stay fp32 (the Triton rotary reads them so)
+        for rope in (m for m in model.modules() if isinstance(m, RotaryEmbedding)):
+            rope.build_cache()  # cos/sin stay fp32 (the Triton rotary reads them so)
         if weights is None:
             model.init_dummy_weights()
         else:
