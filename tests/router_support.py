@@ -14,10 +14,12 @@ from tests.waiting import wait_until
 
 def start_router(*endpoints: str, policy: str = "least-load", extra: tuple[str, ...] = ()
                  ) -> tuple[subprocess.Popen, str]:
-    """`iterserve router` over `endpoints`, once it answers /health (pods may still be unhealthy)."""
+    """`iterserve router` over `endpoints` (or the --dns-name in `extra`), once it answers /health (pods
+    may still be unhealthy)."""
     port = free_port()
+    where = ["--endpoints", ",".join(endpoints)] if endpoints else []
     cmd = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "router", "--host", "127.0.0.1",
-           "--port", str(port), "--endpoints", ",".join(endpoints), "--policy", policy,
+           "--port", str(port), *where, "--policy", policy,
            "--scrape-interval", "0.1", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -190,3 +190,17 @@ def test_a_pod_killed_mid_run_sends_requests_to_the_other(serve_args):
         for p, _ in (victim, survivor):
             stop(p)
     assert "Traceback" not in out, out
+
+
+def test_discovery_by_dns_name(pods):
+    """--dns-name: every address the name resolves to is a pod on --backend-port (a headless Service's
+    ready pods); an address where nothing answers (localhost's ::1 here, if it has one) is skipped."""
+    port = pods[0].rsplit(":", 1)[1]
+    proc, router = start_router(extra=("--dns-name", "localhost", "--backend-port", port))
+    try:
+        wait_healthy(router, pods[0])
+        r = _client(router).completions.create(model="m", prompt="hi", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        assert routed(router, pods[0]) == 1
+    finally:
+        stop(proc)
