@@ -132,7 +132,8 @@ def wait_idle(url: str, timeout: float = 60.0) -> str:
                       interval=0.1)
 
 
-def start_subprocess(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_subprocess(*args: str, env: dict | None = None, ready_timeout: float = 120.0
+                     ) -> tuple[subprocess.Popen, str]:
     """`iterserve serve` in fp32 unless `args` name a --dtype: the tests size KV pools in bytes for fp32
     blocks (a pool that must preempt, a usage the scrape must see), and "auto" is bf16 on CPUs with it."""
     port = free_port()
@@ -143,7 +144,7 @@ def start_subprocess(*args: str, env: dict | None = None) -> tuple[subprocess.Po
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc=proc)
+        wait_ready(url, timeout=ready_timeout, proc=proc)
     except BaseException:
         proc.kill()
         print(proc.communicate()[0])

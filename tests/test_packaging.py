@@ -66,7 +66,8 @@ def test_regular_install(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     # every sub-package made it into the wheel
-    for sub in ("server/engine", "server/model", "server/runner", "server/entrypoints", "server/api", "operator", "kernels"):
+    for sub in ("server/engine", "server/model", "server/runner", "server/entrypoints", "server/api", "operator", "kernels",
+                "router"):
         assert list((target / "iterserve" / sub).glob("*.py")), sub
     assert not (target / "operator").exists()
     # the C++ kernels' sources ship too: kernels/cpu_extension.py builds them on first use
@@ -149,13 +150,14 @@ EXTRA_CHECK = textwrap.dedent(r'''
 
 EXTRA_CODE = {"server": ["iterserve.server", "iterserve.kernels", "iterserve.common"],
               "operator": ["iterserve.operator", "iterserve.common"],
-              "bench": ["iterserve.server.bench", "iterserve.common"]}
+              "bench": ["iterserve.server.bench", "iterserve.common"],
+              "router": ["iterserve.router", "iterserve.common"]}
 
 
 @pytest.mark.parametrize("extra", EXTRA_CODE)
 def test_each_extra_brings_everything_its_code_imports(extra):
-    """The server, operator and bench code imports only what `pip install iterserve[extra]` installs: with
-    every other installed module blocked, each of its modules imports (torch is blocked for the operator and
+    """The server, operator, bench and router code imports only what `pip install iterserve[extra]` installs:
+    with every other installed module blocked, each of its modules imports (torch is blocked for the operator and
     the bench, kopf and matplotlib for the server, ...)."""
     r = subprocess.run([sys.executable, "-c", EXTRA_CHECK, extra, *EXTRA_CODE[extra]], cwd=ROOT,
                        capture_output=True, text=True, timeout=240)
@@ -191,7 +193,8 @@ def test_the_base_package_imports_and_runs_with_no_dependencies(base_venv, tmp_p
     r = subprocess.run([python, "-c", "from iterserve import LLM"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 1 and "pip install 'iterserve[server]'" in r.stderr, r.stderr
     for argv, extra in ((["serve"], "server"), (["generate", "--prompt", "hi"], "server"),
-                        (["operator"], "operator"), (["bench", "--url", "http://127.0.0.1:9"], "bench")):
+                        (["operator"], "operator"), (["bench", "--url", "http://127.0.0.1:9"], "bench"),
+                        (["router", "--endpoints", "http://127.0.0.1:9"], "router")):
         r = subprocess.run([cli, *argv], cwd=tmp_path, capture_output=True, text=True)
         assert r.returncode == 2 and f"pip install 'iterserve[{extra}]'" in r.stderr, (argv, r.stderr)
     # run from a checkout's root, the checkout's sub-packages are the ones imported, as for any package

@@ -1,4 +1,4 @@
-"""The `iterserve` command: one subcommand per job (generate, serve, bench, operator)."""
+"""The `iterserve` command: one subcommand per job (generate, serve, bench, operator, router)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from iterserve.server.bench import cli as bench_cli
 from iterserve.operator import cli as operator_cli
+from iterserve.router import cli as router_cli
 from iterserve.server.entrypoints import extras, generate_cmd, serve_cmd
 
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.register(sub)
     bench_cli.register(sub)
     operator_cli.register(sub)
+    router_cli.register(sub)
     return parser
 
 

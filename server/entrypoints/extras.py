@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-COMMAND_EXTRAS = {"generate": "server", "serve": "server", "bench": "bench", "operator": "operator"}
+COMMAND_EXTRAS = {"generate": "server", "serve": "server", "bench": "bench", "operator": "operator",
+                  "router": "router"}
 
 
 def missing(extra: str) -> list[str]:

@@ -1,0 +1,202 @@
+"""What `iterserve router` costs: its added latency at N concurrent streams, and requests/s on one core.
+
+The upstream is a STAND-IN, not a model server: a tiny asyncio HTTP server (this script, `--stand-in`)
+that answers every POST with a fixed SSE stream (`--events` chunks, `--itl` seconds apart, as a decoding
+pod would) and /metrics with idle load gauges. It costs almost nothing, so what the router adds is not
+hidden under a model's own latency. The client is a raw asyncio HTTP/1.1 client on kept-alive
+connections, for the same reason.
+
+1. Added latency: `--streams` clients loop on streaming requests, directly to the stand-in and through the
+   router, interleaved (A B A B); the time to the first SSE event is compared (p50, p99 of each, and their
+   differences, medians over the rounds). The router's own histogram of what it adds is printed too.
+2. Throughput: the router pinned to one core (taskset) takes non-streaming requests from `--rps-clients`
+   closed-loop clients for `--seconds`; completed requests/s, beside the stand-in's rate when hit directly
+   (which shows the router, not the stand-in or the client, is the bottleneck).
+
+    python benchmarks/router_overhead.py            # defaults: 100 streams, 4 rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+EVENT = b'data: {"id":"cmpl-standin","object":"text_completion","choices":[{"index":0,"text":" tok"}]}\n\n'
+METRICS = (b"vllm:num_requests_waiting 0.0\nvllm:num_requests_running 0.0\nvllm:kv_cache_usage_perc 0.0\n"
+           b"iterserve:draining 0.0\n")
+REQUEST = (b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+           b"content-length: %d\r\n\r\n%s")
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def stand_in(port: int, events: int, itl: float) -> None:
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"content-length: *(\d+)", head, re.I)
+                if length:
+                    await reader.readexactly(int(length.group(1)))
+                if head.startswith(b"GET /metrics"):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(METRICS), METRICS))
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for i in range(events):
+                    if i and itl:
+                        await asyncio.sleep(itl)
+                    writer.write(_chunk(EVENT))
+                writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+async def _one(reader, writer, body: bytes) -> float:
+    """One request on a kept-alive connection: seconds to the first SSE event."""
+    start = time.perf_counter()
+    writer.write(REQUEST % (len(body), body))
+    buf, first = b"", None
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            raise ConnectionError("closed mid-response")
+        buf += data
+        if first is None and b"data:" in buf:
+            first = time.perf_counter() - start
+        if buf.endswith(b"0\r\n\r\n") and b"[DONE]" in buf:
+            return first
+
+
+async def load(url_port: int, clients: int, seconds: float, body: bytes) -> list[float]:
+    """`clients` closed-loop connections for `seconds`: the first-event times of every request."""
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def client():
+        reader, writer = await asyncio.open_connection("127.0.0.1", url_port)
+        try:
+            while time.perf_counter() < deadline:
+                times.append(await _one(reader, writer, body))
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return times
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], port: int, cpu: str | None = None) -> subprocess.Popen:
+    if cpu is not None:
+        cmd = ["taskset", "-c", cpu, *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{cmd} did not start")
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def router_histogram(port: int) -> str:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    lines = [line for line in text.splitlines() if line.startswith("iterserve:router_added_latency_seconds_")]
+    return "\n".join("    " + line for line in lines if "_sum" in line or "_count" in line or
+                     any(f'le="{b}"' in line for b in ("0.0005", "0.001", "0.002", "0.005")))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stand-in", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--streams", type=int, default=100)
+    p.add_argument("--events", type=int, default=32, help="SSE events per stand-in response")
+    p.add_argument("--itl", type=float, default=0.02, help="seconds between the stand-in's events")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=8.0, help="length of each measured run")
+    p.add_argument("--rps-clients", type=int, default=32)
+    p.add_argument("--router-cpu", default="0", help="the core the router is pinned to (taskset -c)")
+    args = p.parse_args()
+    if args.stand_in:
+        asyncio.run(stand_in(args.stand_in, args.events, args.itl))
+        return 0
+
+    up_port, fast_port, router_port, fast_router_port = free_port(), free_port(), free_port(), free_port()
+    me = [sys.executable, os.path.abspath(__file__)]
+    router = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "router", "--log-level", "warning",
+              "--host", "127.0.0.1"]
+    procs = [start([*me, "--stand-in", str(up_port), "--events", str(args.events), "--itl", str(args.itl)], up_port),
+             start([*me, "--stand-in", str(fast_port), "--events", "1", "--itl", "0"], fast_port)]
+    try:
+        procs.append(start([*router, "--port", str(router_port), "--endpoints", f"http://127.0.0.1:{up_port}"],
+                           router_port, args.router_cpu))
+        procs.append(start([*router, "--port", str(fast_router_port),
+                            "--endpoints", f"http://127.0.0.1:{fast_port}"], fast_router_port, args.router_cpu))
+        body = b'{"model": "m", "prompt": "hello", "max_tokens": 32, "stream": true}'
+        print(f"# router_overhead: {args.streams} concurrent streams of {args.events} SSE events {args.itl * 1e3:g} ms "
+              f"apart from a STAND-IN upstream; {args.rounds} interleaved rounds of {args.seconds:g} s; "
+              f"router pinned to cpu {args.router_cpu}; {os.cpu_count()} cpus on this machine, load average "
+              f"{os.getloadavg()[0]:.1f} at the start (other work shares them: compare only within one run)")
+        rows = []
+        for r in range(args.rounds):  # A B A B: drift on a shared machine hits both sides alike
+            direct = asyncio.run(load(up_port, args.streams, args.seconds, body))
+            routed = asyncio.run(load(router_port, args.streams, args.seconds, body))
+            row = [pct(direct, .5), pct(direct, .99), pct(routed, .5), pct(routed, .99), len(direct), len(routed)]
+            rows.append(row)
+            print(f"round {r}: first event direct p50 {row[0] * 1e3:.2f} p99 {row[1] * 1e3:.2f} ms | via router "
+                  f"p50 {row[2] * 1e3:.2f} p99 {row[3] * 1e3:.2f} ms | added p50 {(row[2] - row[0]) * 1e3:.2f} "
+                  f"p99 {(row[3] - row[1]) * 1e3:.2f} ms ({row[4]} / {row[5]} requests)")
+        med = [statistics.median(col) for col in zip(*rows)]
+        print(f"median over rounds: added latency to the first event at {args.streams} streams: "
+              f"p50 {(med[2] - med[0]) * 1e3:.2f} ms, p99 {(med[3] - med[1]) * 1e3:.2f} ms "
+              f"(direct p99 {med[1] * 1e3:.2f} ms, via router p99 {med[3] * 1e3:.2f} ms)")
+        print("router's own added-latency histogram (seconds):\n" + router_histogram(router_port))
+
+        one = b'{"model": "m", "prompt": "hello", "max_tokens": 1}'
+        rates = []
+        for _ in range(2):
+            direct = asyncio.run(load(fast_port, args.rps_clients, args.seconds, one))
+            routed = asyncio.run(load(fast_router_port, args.rps_clients, args.seconds, one))
+            rates.append((len(direct) / args.seconds, len(routed) / args.seconds))
+        d, r = (statistics.median(c) for c in zip(*rates))
+        print(f"throughput, {args.rps_clients} closed-loop clients, one-event responses: router on one core "
+              f"{r:.0f} requests/s; the stand-in hit directly {d:.0f} requests/s (ratio {d / r:.1f}x)")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""`iterserve router`: the load-aware router in front of a service's pods (flags, then uvicorn).
+
+Only argparse is imported at module level: `iterserve --help` must not pay for httpx or uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from iterserve.common import wire
+
+POLICY_CHOICES = ("least-load", "prefix-hash")  # router/policy.py's POLICIES, without importing it here
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("router", help="route OpenAI API requests across a service's pods by load or prefix",
+                       description="Proxy the OpenAI API to a set of iterserve (or vLLM) pods, choosing each "
+                                   "request's pod by load (least-load) or by its prompt's prefix with bounded "
+                                   "load (prefix-hash, consistent hashing as KubeAI's CHWBL).")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=wire.HTTP_PORT)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoints", help="comma-separated pod base URLs, e.g. http://a:8000,http://b:8000")
+    where.add_argument("--dns-name", help="a headless Service's DNS name: its A records are the ready pods")
+    p.add_argument("--backend-port", type=int, default=wire.HTTP_PORT, help="the pods' port, with --dns-name")
+    p.add_argument("--policy", default="least-load", choices=POLICY_CHOICES)
+    p.add_argument("--load-factor", type=float, default=1.25,
+                   help="prefix-hash: a pod takes a key while its in-flight requests stay under this x the "
+                        "average (default 1.25; at least 1)")
+    p.add_argument("--prefix-chars", type=_positive(int), default=256,
+                   help="prefix-hash: how many characters of the prompt (chat messages rendered as text) are hashed")
+    p.add_argument("--scrape-interval", type=_positive(float), default=0.2,
+                   help="seconds between scrapes of each pod's /metrics (its load and health)")
+    p.add_argument("--connect-timeout", type=_positive(float), default=2.0,
+                   help="seconds to connect to a pod before trying another")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=run)
+
+
+def build_router(args):
+    from iterserve.router.pods import Discovery, PodSet
+    from iterserve.router.policy import make_policy
+    from iterserve.router.proxy import Router
+
+    endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()] if args.endpoints else None
+    discovery = Discovery(endpoints, args.dns_name, port=args.backend_port)
+    return Router(PodSet(discovery, interval=args.scrape_interval), args.policy,
+                  make_policy(args.policy, args.load_factor), prefix_chars=args.prefix_chars,
+                  connect_timeout=args.connect_timeout)
+
+
+def run(args) -> int:
+    import sys
+
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        router = build_router(args)
+    except ValueError as e:
+        print(f"iterserve router: {e}", file=sys.stderr)
+        return 2
+    # no access log: one line per request would cost more than the routing itself
+    config = uvicorn.Config(router, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
+    return 0

@@ -1,0 +1,129 @@
+"""The router's two routing policies, pure: they read each pod's load and return a pod, nothing else.
+
+`least-load` ranks pods by the requests on them: the larger of the router's own in-flight count (exact
+and fresh, but blind to other routers' traffic) and the waiting + running requests of the pod's last
+scrape (every router's, but up to one scrape interval old); their maximum never counts a request twice.
+KV-cache usage breaks ties, then a rotating start, so that idle pods share the traffic evenly.
+
+`prefix-hash` is consistent hashing with bounded load (CHWBL, as KubeAI routes): the prompt's prefix is
+hashed onto a ring of virtual nodes, and the request goes to the first pod clockwise whose in-flight
+count stays within `load_factor` x the average. The same prefix therefore lands on the same pod (whose
+prefix cache holds it) until that pod is overloaded, and removing a pod moves only the keys it owned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+POLICIES = ("least-load", "prefix-hash")
+
+
+@dataclass
+class PodLoad:
+    """What a policy knows of one pod: its name (the endpoint URL) and load."""
+
+    name: str
+    in_flight: int = 0  # requests this router has sent there and not finished
+    waiting: float = 0.0  # vllm:num_requests_waiting at the last scrape
+    running: float = 0.0  # vllm:num_requests_running at the last scrape
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc at the last scrape, 0..1
+
+
+@dataclass(frozen=True)
+class Decision:
+    pod: str
+    spilled: bool = False  # prefix-hash: the key's own pod was over the bound, a later one on the ring took it
+
+
+class LeastLoad:
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def pick(self, pods: Sequence[PodLoad], key: str | None = None) -> Decision:
+        if not pods:
+            raise LookupError("no pod to route to")
+        self._turn += 1
+        n = len(pods)
+        # the rotating start index is the last tie-break: equally loaded pods take turns
+        best = min(range(n), key=lambda i: (max(pods[i].in_flight, pods[i].waiting + pods[i].running),
+                                            pods[i].kv_usage, (i - self._turn) % n))
+        return Decision(pods[best].name)
+
+
+def _hash64(text: str) -> int:
+    # blake2b is in the standard library, fast, and well mixed: neighbouring keys land far apart
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """A consistent-hash ring: each pod at `vnodes` points, so that keys spread evenly and a pod's removal
+    hands its arcs to many others rather than to one neighbour."""
+
+    def __init__(self, pods: Iterable[str], vnodes: int = 100) -> None:
+        self.vnodes = vnodes
+        self.pods = tuple(sorted(set(pods)))
+        points = sorted((_hash64(f"{pod}#{i}"), pod) for pod in self.pods for i in range(vnodes))
+        self._hashes = [h for h, _ in points]
+        self._owners = [p for _, p in points]
+
+    def walk(self, key: str):
+        """The pods in ring order from `key`'s position, each once."""
+        if not self._owners:
+            return
+        start = bisect.bisect(self._hashes, _hash64(key))
+        seen = set()
+        for i in range(len(self._owners)):
+            pod = self._owners[(start + i) % len(self._owners)]
+            if pod not in seen:
+                seen.add(pod)
+                yield pod
+                if len(seen) == len(self.pods):
+                    return
+
+
+class PrefixHash:
+    """CHWBL over the pods passed to each `pick` (the healthy ones): the ring holds every known pod, and
+    the walk skips those absent, so a pod that fails and returns keeps its arcs."""
+
+    def __init__(self, load_factor: float = 1.25, vnodes: int = 100) -> None:
+        if load_factor < 1.0:
+            raise ValueError(f"load_factor must be at least 1 (got {load_factor}): below 1 no pod could take "
+                             "a request when all are equally loaded")
+        self.load_factor = load_factor
+        self.vnodes = vnodes
+        self._ring = HashRing((), vnodes)
+        self._fallback = LeastLoad()
+
+    def pick(self, pods: Sequence[PodLoad], key: str | None = None) -> Decision:
+        if not pods:
+            raise LookupError("no pod to route to")
+        if key is None:  # nothing to hash (e.g. /v1/models): the least loaded pod
+            return self._fallback.pick(pods)
+        by_name = {p.name: p for p in pods}
+        if not set(by_name) <= set(self._ring.pods):
+            self._ring = HashRing(set(self._ring.pods) | set(by_name), self.vnodes)
+        total = sum(p.in_flight for p in pods)
+        # the bound counts the request being placed; with load_factor >= 1 the least loaded pod is always
+        # under it, so the walk always ends on a pod
+        bound = math.ceil(self.load_factor * (total + 1) / len(pods))
+        first = True
+        for name in self._ring.walk(key):
+            pod = by_name.get(name)
+            if pod is None:
+                continue
+            if pod.in_flight + 1 <= bound:
+                return Decision(name, spilled=not first)
+            first = False
+        raise AssertionError("unreachable: the least loaded pod is always under the bound")
+
+
+def make_policy(name: str, load_factor: float = 1.25):
+    if name == "least-load":
+        return LeastLoad()
+    if name == "prefix-hash":
+        return PrefixHash(load_factor)
+    raise ValueError(f"unknown routing policy {name!r} (choose from {', '.join(POLICIES)})")
