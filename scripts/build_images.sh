@@ -85,7 +85,7 @@ make_base build-base "$build_base_image" ",g++,python3.11-dev"
 # -- 2. the wheels -------------------------------------------------------------------------------------
 # torch is the CPU wheel pip takes on this machine; every version is the constraints file's.
 constraints=$root/constraints/images.txt
-requirements=("torch==2.13.0" "$root[server,bench,operator]" ninja "setuptools>=69" wheel)
+requirements=("torch==2.13.0" "$root[server,bench,router,operator]" ninja "setuptools>=69" wheel)
 stamp="$wheels/.downloaded"
 want=$(cat "$root/pyproject.toml" "$constraints" <(printf '%s\n' "${requirements[@]:0:1}" "${requirements[@]:2}") | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
