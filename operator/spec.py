@@ -62,6 +62,7 @@ class Engine:
     block_size: int = 16
     policy: str = "continuous"
     threads: int | None = None
+    enable_prefix_caching: bool = True  # False: --no-enable-prefix-caching (every prompt computed in full)
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ def _parse_engine(r: _Reader, engine: dict, p: str) -> Engine:
         block_size=r.integer(engine, "blockSize", p, 16, hi=1024),
         policy=r.string(engine, "policy", p, "continuous", POLICIES),
         threads=r.integer(engine, "threads", p, None, hi=1024),
+        enable_prefix_caching=r.boolean(engine, "enablePrefixCaching", p, True),
     )
 
 

@@ -66,7 +66,7 @@ def run_without_compiler(tmp_path: Path, kernels_dir: Path) -> subprocess.Comple
 def test_prebuilt_kernels_load_without_a_compiler(tmp_path):
     march = supported_marches()[-1]  # the lowest level: what older CPUs load
     kernels = tmp_path / "kernels"
-    # one kernel of the two (a build takes about a minute): the other shows the per-kernel fallback
+    # one kernel of the three (a build takes about a minute): the other shows the per-kernel fallback
     subprocess.run([sys.executable, "-m", "iterserve.kernels.prebuild", str(kernels), march,
                     "--kernels", "iterserve_cpu_layer_ops"], check=True, timeout=900)
     assert prebuilt_path(kernels, march, "iterserve_cpu_layer_ops").stat().st_size > 0

@@ -120,6 +120,12 @@ def test_server_args_carry_the_engine_settings():
     assert flag(server_args(service(SPECS["path-model"])), "--served-model-name") == "tiny"
 
 
+def test_prefix_caching_is_on_unless_the_spec_turns_it_off():
+    assert "--no-enable-prefix-caching" not in server_args(service(SPECS["default-model"]))
+    assert "--no-enable-prefix-caching" not in server_args(service({"engine": {"enablePrefixCaching": True}}))
+    assert "--no-enable-prefix-caching" in server_args(service({"engine": {"enablePrefixCaching": False}}))
+
+
 def test_live_knobs_come_from_the_configmap_not_the_template():
     svc = service(SPECS["tuning-auto"])
     c = container(SPECS["tuning-auto"])

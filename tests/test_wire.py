@@ -74,7 +74,7 @@ def test_the_operators_pod_starts_a_server_with_the_knobs_it_meant(monkeypatch):
         "apiVersion": "iterserve.io/v1alpha1", "kind": "LLMService",
         "metadata": {"name": "chat", "namespace": "team-a", "uid": "u-1", "generation": 1},
         "spec": {"apiKeySecretRef": {"name": "chat-key", "key": "k"}, "maxQueue": 50,
-                 "engine": {"maxModelLen": 1024, "threads": 2, "maxNumSeqs": 16}}})
+                 "engine": {"maxModelLen": 1024, "threads": 2, "maxNumSeqs": 16, "enablePrefixCaching": False}}})
     in_force = {"max_num_seqs": 24, "max_num_batched_tokens": 1024, "prefill_chunk_size": 128}  # e.g. tuned
     configmap = build_knobs_configmap(svc, in_force)
     container = build_deployment(svc, token_digest("t0k3n"))["spec"]["template"]["spec"]["containers"][0]
@@ -89,6 +89,7 @@ def test_the_operators_pod_starts_a_server_with_the_knobs_it_meant(monkeypatch):
     config = engine_config_from_args(ns)
     assert {k: getattr(config, k) for k in in_force} == in_force
     assert (config.max_model_len, config.num_threads, ns.max_queue) == (1024, 2, 50)
+    assert config.enable_prefix_caching is False
     assert (ns.port, ns.admin_port) == (wire.HTTP_PORT, wire.ADMIN_PORT)
     assert (ns.admin_token, ns.api_key) == ("a" * 32, "k" * 32)
     assert {p["containerPort"] for p in container["ports"]} == {wire.HTTP_PORT, wire.ADMIN_PORT}

@@ -54,6 +54,8 @@ def server_args(svc: LLMService) -> list[str]:
     for flag, value in optional:
         if value is not None:
             args += [flag, str(value)]
+    if not e.enable_prefix_caching:  # on is the server's default
+        args.append("--no-enable-prefix-caching")
     for knob in wire.KNOBS:  # expanded by the kubelet from the env below, i.e. from the ConfigMap
         args += [knob.flag, f"$({knob.env})"]
     return args

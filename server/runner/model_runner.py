@@ -56,6 +56,7 @@ class ModelRunner:
         if self.backend.name == "torch" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             # their one-time builds happen at start-up, not in a request's step
             self.cpu_kernels = {"paged_attention": cpu_paged_attention.available(),
+                                "prefill_attention": cpu_paged_attention.prefill_available(),
                                 "layer_ops": cpu_layer_ops.available()}
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
