@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -84,11 +85,29 @@ def _cpu_tag() -> str:
 
 
 def _sources_tag() -> str:
-    """A hash of every file of csrc/ (the sources include each other's headers)."""
-    digest = hashlib.sha1()
+    """A hash of every file of csrc/ (the sources include each other's headers) and of where they are: the
+    build.ninja torch writes names the sources' paths, so two checkouts of one version sharing a directory
+    would rebuild it in turn."""
+    digest = hashlib.sha1(str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+# A build takes about a minute here; a lock this old was left by a process killed while it held it.
+STALE_LOCK_SECONDS = 600
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's build lock is a file that a killed builder leaves behind, and every later process then waits
+    on it forever (a server that never starts). Remove one older than any build."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing a stale build lock (%.0f s old, its builder is gone): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 class CppExtension:
@@ -111,6 +130,7 @@ class CppExtension:
         from torch.utils.cpp_extension import load
 
         build_dir.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(build_dir / "lock")
         # -fopenmp: at::parallel_for runs on torch's OpenMP pool only when the including code is compiled
         # with OpenMP (the soname resolves to the libgomp torch already loaded); it also enables `omp simd`.
         flags = ["-O3", f"-march={march}", "-fopenmp", *self.extra_cflags]

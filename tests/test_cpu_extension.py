@@ -1,0 +1,31 @@
+"""kernels/cpu_extension.py's build bookkeeping: stale build locks and per-checkout build directories."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from iterserve.kernels import cpu_extension
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_extension._clear_stale_lock(lock)
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - cpu_extension.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    cpu_extension._clear_stale_lock(lock)
+    assert not lock.exists() and "stale build lock" in caplog.text
+    cpu_extension._clear_stale_lock(lock)  # none: nothing to do
+
+
+def test_the_build_directory_depends_on_where_the_sources_are(monkeypatch, tmp_path):
+    here = cpu_extension._sources_tag()
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for f in cpu_extension.CSRC.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(cpu_extension, "CSRC", copy)
+    assert cpu_extension._sources_tag() != here  # same sources, another checkout: its own build
+    assert cpu_extension._sources_tag() == cpu_extension._sources_tag()
