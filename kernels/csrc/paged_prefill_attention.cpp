@@ -103,8 +103,10 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
         if constexpr (kPairDot<T, kD>) {
           const uint16_t* bits = reinterpret_cast<const uint16_t*>(vrow);
           uint32_t* dst = &w.vp[(t / 2) * kD];
-          const int shift = (t % 2) * 16;  // key 2i in the low half of pair i, key 2i + 1 in the high
-          if (shift == 0) {
+          // key 2i in the low half of pair i, key 2i + 1 in the high; writing the low half clears the
+          // high one, so the pair of an odd nb's last key holds no stale key (p is 0 there, but 0 times a
+          // stale value is 0 only while that value is finite)
+          if (t % 2 == 0) {
 #pragma omp simd
             for (int64_t d = 0; d < kD; ++d) dst[d] = bits[d];
           } else {
@@ -117,11 +119,6 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
         }
       } else if constexpr (kPairDot<T, kD>) {
         for (int64_t i = 0; i < kD / 2; ++i) w.ktp[i * kTileK + t] = 0;
-        // the pair of the tile's last key, when nb is odd: its other half is no key (p is 0 there, and
-        // 0 times a stale value from an earlier tile is 0 only while that value is finite)
-        if (t % 2 == 1 && t == nb) {
-          for (int64_t d = 0; d < kD; ++d) w.vp[(t / 2) * kD + d] &= 0xFFFFu;
-        }
       } else {
         for (int64_t d = 0; d < D; ++d) w.kt[d * kTileK + t] = 0.f;
       }
