@@ -12,6 +12,7 @@ from iterserve.kernels.attention_metadata import AttentionMetadata, SingleQueryG
 from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.runner.step_inputs import _groups_by_context
 from tests.bf16_support import assert_rounded_once_to_bf16
+from tests.paged_cache_support import shuffled_paged_cache
 
 
 @pytest.fixture
@@ -32,17 +33,7 @@ def _random_case(lens: list[int], block_size: int, num_kv_heads: int, group: int
     """Caches with more blocks than the requests use, handed out in shuffled order, so block tables are
     neither contiguous nor increasing; tables padded with block 0. q and the caches in `dtype`."""
     gen = torch.Generator().manual_seed(seed)
-    per_req = [-(-n // block_size) for n in lens]
-    num_blocks = sum(per_req) + 5
-    ids = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(per_req), dtype=torch.long)
-    taken = 0
-    for r, nb in enumerate(per_req):
-        tables[r, :nb] = ids[taken : taken + nb]
-        taken += nb
-    shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables, k_cache, v_cache = shuffled_paged_cache(lens, block_size, num_kv_heads, head_dim, gen, dtype, 5)
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
 

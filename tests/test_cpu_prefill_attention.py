@@ -16,6 +16,7 @@ from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery, PrefillBatch, SingleQueryGroup
 from iterserve.kernels.paged_attention_torch import paged_attention
 from tests.bf16_support import assert_rounded_once_to_bf16
+from tests.paged_cache_support import shuffled_paged_cache
 
 # (query tokens, context tokens): a fresh prefill, chunks after earlier context, the query tile's edges
 # (31/32/33/65 queries), the key tile's (63/64/65 keys), two queries, and a long context
@@ -35,17 +36,8 @@ def _step(cases, block_size, num_kv_heads, group, head_dim, dtype, lead=3, seed=
     with shuffled, non-increasing block tables; q a strided view of a fused qkv tensor, as the model
     hands it over."""
     gen = torch.Generator().manual_seed(seed)
-    per_req = [-(-c // block_size) for _, c in cases]
-    num_blocks = sum(per_req) + 3
-    ids = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(cases), max(per_req), dtype=torch.long)
-    taken = 0
-    for j, nb in enumerate(per_req):
-        tables[j, :nb] = ids[taken : taken + nb]
-        taken += nb
-    shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables, k_cache, v_cache = shuffled_paged_cache([c for _, c in cases], block_size, num_kv_heads, head_dim, gen,
+                                                    dtype, 3)
     num_heads = num_kv_heads * group
     starts, pos = [], lead
     for n, _ in cases:
