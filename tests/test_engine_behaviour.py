@@ -104,6 +104,27 @@ def test_stop_token_ids_eos_and_max_model_len(tiny_llama):
     assert (len(out.token_ids), out.finish_reason) == (5, "length")
 
 
+def test_the_stop_token_adds_no_text(tiny_dir):
+    """The EOS or stop token id that ends a request stays in its token ids but adds nothing to its text,
+    as vLLM does."""
+    engine = make_engine(tiny_dir, max_model_len=40)
+    probe = engine.add_request(prompt_token_ids=[4, 5], sampling_params=SamplingParams(
+        max_tokens=30, temperature=0, ignore_eos=True))
+    probed = drain(engine)[probe][-1]
+    tokens, decode = probed.token_ids, engine.tokenizer.decode
+    # the first token, where it first appears, that adds text
+    at = next(i for i, t in enumerate(tokens) if t not in tokens[:i] and decode(tokens[: i + 1]) != decode(tokens[:i]))
+    rid = engine.add_request(prompt_token_ids=[4, 5], sampling_params=SamplingParams(
+        max_tokens=30, temperature=0, stop_token_ids=[tokens[at]]))
+    out = drain(engine)[rid][-1]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (tokens[: at + 1], "stop", tokens[at])
+    assert out.text == decode(tokens[:at]) != decode(tokens[: at + 1])
+    engine.core.eos_token_ids = frozenset({tokens[at]})
+    rid = engine.add_request(prompt_token_ids=[4, 5], sampling_params=SamplingParams(max_tokens=30, temperature=0))
+    out = drain(engine)[rid][-1]
+    assert (out.token_ids, out.finish_reason, out.text) == (tokens[: at + 1], "stop", decode(tokens[:at]))
+
+
 def test_abort_frees_blocks_at_next_step_and_reports_once(tiny_llama):
     path, _ = tiny_llama
     engine = make_engine(path)

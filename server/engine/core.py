@@ -158,6 +158,7 @@ class EngineCore:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             status = self._stop_status(req, token)
+            by_token = status is RequestStatus.FINISHED_STOPPED  # EOS or a stop token id
             if grammar is not None and grammar.accept(req.request_id, token) and status is None:
                 status = RequestStatus.FINISHED_STOPPED  # the grammar reached its end state
             if status is not None:
@@ -168,7 +169,7 @@ class EngineCore:
                 req.request_id, [token], req.finish_reason, req.stop_reason,
                 None if logprob is None else [logprob], None if top is None else [top],
                 req.num_preemptions, req.scheduled_time, req.first_token_time, req.finished_time,
-                req.num_cached_tokens or 0))
+                req.num_cached_tokens or 0, ended_by_stop_token=by_token))
         self._record_stats(out, num_sampled)
         return outputs
 

@@ -2,7 +2,8 @@
 
 It runs where the client is (the server's process, or the offline `LLMEngine`), not in the engine
 core, so detokenization stays off the core's critical path (vLLM v1 splits them the same way). The
-core stops a request on EOS, a stop token id or length; a stop string is found here, after
+core stops a request on EOS, a stop token id or length (the EOS or stop token's own text is left out,
+as vLLM leaves it out); a stop string is found here, after
 detokenizing: the text is cut before it, the request is reported finished at once, and its id is
 returned so the caller aborts it in the core. While a request streams, the last few characters that
 could still become a stop string are held back.
@@ -81,7 +82,9 @@ class OutputProcessor:
             state.top_logprobs.extend(out.new_top_logprobs)
         if state.detokenizer is None:
             return None
-        for token_id in out.new_token_ids:
+        # the EOS or stop token id that ended the request adds no text (vLLM's rule)
+        shown = out.new_token_ids[:-1] if out.ended_by_stop_token else out.new_token_ids
+        for token_id in shown:
             previous_len = len(state.text)
             state.text += state.detokenizer.step(token_id)
             for s in state.stop:

@@ -28,6 +28,9 @@ class CoreOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
+    # the last new token is the EOS or stop token id that ended the request: its text is left out of the
+    # output, as vLLM does (the token stays in the token ids); not so when a grammar's end or length did
+    ended_by_stop_token: bool = False
 
     @property
     def finished(self) -> bool:
