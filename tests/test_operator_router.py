@@ -184,3 +184,19 @@ def test_router_names_follow_the_service():
     assert build_pods_service(svc)["metadata"]["name"] == "llama-70b-pods"
     assert flag(build_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"],
                 "--dns-name") == "llama-70b-pods.prod.svc"
+
+
+def test_a_router_deployment_event_reconciles_only_when_it_starts_or_stops_serving():
+    import kopf
+
+    from iterserve.operator.handlers import _readiness_changed
+
+    memo = kopf.Memo()
+
+    def event(ready: int, name: str = "chat-router") -> bool:
+        return _readiness_changed(memo, {"metadata": {"namespace": "team-a", "name": name},
+                                         "status": {"readyReplicas": ready}})
+
+    # first sight, then 0 -> 1 ready, 1 -> 2 (no change), back to 0; another router is tracked apart
+    assert [event(0), event(0), event(1), event(2), event(0), event(0, "other-router")] == [
+        True, False, True, False, True, True]
