@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from kubernetes.client.exceptions import ApiException
 
 from iterserve.operator.builders.configmap import knobs_from_configmap
-from iterserve.operator.builders.labels import knobs_configmap_name
+from iterserve.operator.builders.labels import knobs_configmap_name, router_name
 from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.conditions import DEGRADED, TUNED, get_condition, now_iso, set_condition, transitions
 from iterserve.operator.autoscaling import with_replicas_in_force
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.reconcile import Change, reconcile, short_error
-from iterserve.operator.spec import SpecError, parse_llmservice
+from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import ReconcileResult, compute_status
 
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -118,8 +118,9 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: Operat
             outcome = reconcile(kube, svc, pod_timeout=pod_timeout, operator=operator)
             result.changes, result.problems = outcome.changes, outcome.problems
             obs = ReconcileResult(name=name, generation=generation, replicas_wanted=svc.replicas,
-                              autoscaling=svc.autoscaling is not None, tuning_mode=svc.tuning.mode, deployment=outcome.deployment, knobs=outcome.knobs,
-                              problems=outcome.problems)
+                                  autoscaling=svc.autoscaling is not None, tuning_mode=svc.tuning.mode,
+                                  deployment=outcome.deployment, knobs=outcome.knobs, problems=outcome.problems,
+                                  **_router_fields(svc, outcome.router))
         result.transitions, result.gone = write_status(kube, namespace, name, obs)
         return result
 
@@ -150,10 +151,11 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
         degraded = get_condition(status.get("conditions"), DEGRADED) or {}
         if degraded.get("status") == "True" and degraded.get("reason") == "ReconcileFailed":
             result.problems.append(degraded.get("message", ""))
+        router = _get_deployment(kube, namespace, router_name(name), result) if svc.router.enabled else None
         obs = ReconcileResult(name=name, generation=status.get("observedGeneration", svc.generation),
-                          replicas_wanted=svc.replicas, autoscaling=svc.autoscaling is not None,
-                          tuning_mode=svc.tuning.mode, deployment=deployment,
-                          knobs=knobs, problems=result.problems)
+                              replicas_wanted=svc.replicas, autoscaling=svc.autoscaling is not None,
+                              tuning_mode=svc.tuning.mode, deployment=deployment,
+                              knobs=knobs, problems=result.problems, **_router_fields(svc, router))
         result.transitions, result.gone = write_status(kube, namespace, name, obs)
         return result
 
@@ -169,9 +171,14 @@ def _current(kube: Kube, namespace: str, name: str, uid: str | None = None) -> d
     return body
 
 
+def _router_fields(svc: LLMService, router: dict | None) -> dict:
+    """ReconcileResult's router fields: Ready waits for the router's pods while spec.router is on."""
+    return {"router_replicas": svc.router.replicas, "router": router} if svc.router.enabled else {}
+
+
 def _get_deployment(kube: Kube, namespace: str, name: str, result: Result) -> dict | None:
     try:
         return kube.get("apps/v1", "Deployment", namespace, name)
     except ApiException as e:
-        result.problems.append(f"reading the Deployment: {short_error(e)}")
+        result.problems.append(f"reading the Deployment {name}: {short_error(e)}")
         return None

@@ -4,7 +4,8 @@
 - a timer per LLMService (`ITERSERVE_OPERATOR_RESYNC_SECONDS`, default 30): the same reconcile, which
   puts back deleted or edited children and pods that missed a knob change;
 - Deployments the operator manages: a status refresh when their status changes (Ready follows the
-  pods without waiting for the timer) and a full reconcile of the owner when one is deleted;
+  pods without waiting for the timer) and a full reconcile of the owner when one is deleted, or when a
+  router's Deployment gets its first ready pod or loses its last (the Service follows the router);
 - a daemon per LLMService whose tuning is observe or auto (operator/tuning_loop.py): the tuner, ticking
   every spec.tuning.intervalSeconds; kopf stops it when the mode goes to off or the object is deleted;
 - at start: the thread pool the timer and the daemon use, and the heartbeat behind /healthz.
@@ -28,6 +29,7 @@ from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.constants import DEFAULT_OPERATOR_NAMESPACE, GROUP, KIND, PLURAL, VERSION
 from iterserve.operator.health import BEAT_EVERY_S
 from iterserve.operator.kube import Kube
+from iterserve.operator.reconcile import router_serving
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 
 RESYNC_SECONDS = float(os.environ.get("ITERSERVE_OPERATOR_RESYNC_SECONDS", "30"))
@@ -121,6 +123,16 @@ async def repair_drift(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) 
         _report(body, result, drift=True)  # problems persist in status; Degraded's transition is the Event
 
 
+def _readiness_changed(memo: kopf.Memo, body) -> bool:
+    """Whether this router Deployment went from no ready pod to some, or back, since its last event."""
+    seen = memo.setdefault("router_serving", {})  # kopf's Memo is a dict
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    serving = router_serving(body)
+    changed = seen.get(key) != serving
+    seen[key] = serving
+    return changed
+
+
 def _owner(body) -> tuple[str, str] | None:
     for ref in body.get("metadata", {}).get("ownerReferences") or ():
         if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/") and ref.get("controller"):
@@ -134,13 +146,16 @@ def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
     if owner is None:
         return
     namespace, name = owner
-    if event.get("type") == "DELETED":
+    # a router's readiness decides where the Service sends clients: that takes a full pass, not a refresh
+    router = body["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router"
+    deleted = event.get("type") == "DELETED"
+    if deleted or (router and _readiness_changed(memo, body)):
         llmservice = memo.kube.get_llmservice(namespace, name)
         if llmservice is None or llmservice["metadata"].get("deletionTimestamp"):
             return  # deleted with its owner: garbage collection, nothing to repair
         result = controller.handle(memo.kube, llmservice, pod_timeout=POD_TIMEOUT_SECONDS,
                                    operator=memo.operator_peer)
-        _report(llmservice, result, drift=True)
+        _report(llmservice, result, drift=deleted)
         return
     result = controller.refresh_status(memo.kube, namespace, name)
     if not result.gone and result.transitions:

@@ -4,9 +4,10 @@ Every step is idempotent and safe to run twice at once or to cut short (an opera
 two replicas for a moment): children have fixed names, so there is nothing to duplicate. The Secret
 and the ConfigMap hold state (the admin token, the knobs in force) and are created with POST (a 409
 means another run created it: use that one) and updated with the resourceVersion read (a 409 means
-someone wrote in between: read again). The Deployment, Service and PodDisruptionBudget are pure
-renderings of the spec and go through server-side apply, which creates them when missing and puts
-back any field someone else changed.
+someone wrote in between: read again). The Deployments, Services, PodDisruptionBudget and
+NetworkPolicies are pure renderings of the spec (and, for the Service's selector, of the router's
+readiness) and go through server-side apply, which creates them when missing and puts back any field
+someone else changed.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from kubernetes.client.exceptions import ApiException
 from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap, spec_knobs_recorded
 from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION, build_deployment
 from iterserve.operator.builders.labels import (
-    ADMIN_PORT_NAME, HTTP_PORT, knobs_configmap_name, selector_string,
+    ADMIN_PORT_NAME, HTTP_PORT, knobs_configmap_name, pods_service_name, router_name, selector_string,
 )
 from iterserve.operator.builders.networkpolicy import API_VERSION as NETWORK_POLICY_API
-from iterserve.operator.builders.networkpolicy import OperatorPeer, build_network_policy
+from iterserve.operator.builders.networkpolicy import (
+    OperatorPeer, build_network_policy, build_router_network_policy,
+)
 from iterserve.operator.builders.pdb import build_pdb
+from iterserve.operator.builders.router import build_pods_service, build_router_deployment
 from iterserve.operator.builders.secret import (
     ADMIN_SECRET, admin_secret_patch, admin_token_of, build_admin_secret, new_admin_token, token_digest,
 )
@@ -56,6 +60,7 @@ class Outcome:
     problems: list[str] = field(default_factory=list)
     knobs: dict[str, int] | None = None
     deployment: dict | None = None
+    router: dict | None = None  # the router's Deployment as applied (spec.router on)
 
 
 class ChildConflict(Exception):
@@ -164,15 +169,17 @@ def apply_child(kube: Kube, svc: LLMService, desired: dict, out: Outcome) -> dic
 
 
 def ensure_optional(kube: Kube, svc: LLMService, api_version: str, kind: str, desired: dict | None, why_not: str,
-                    out: Outcome) -> None:
-    """A child the spec may do without (`desired` None): applied when wanted, else ours is deleted."""
+                    out: Outcome, name: str | None = None) -> dict | None:
+    """A child the spec may do without (`desired` None): applied (and returned) when wanted, else ours,
+    `name` (default the LLMService's), is deleted."""
     if desired is not None:
-        apply_child(kube, svc, desired, out)
-        return
-    current = kube.get(api_version, kind, svc.namespace, svc.name)
+        return apply_child(kube, svc, desired, out)
+    name = name or svc.name
+    current = kube.get(api_version, kind, svc.namespace, name)
     if current is not None and foreign_owner(current, svc.uid) is None:
-        if kube.delete(api_version, kind, svc.namespace, svc.name):
-            out.changes.append(Change(kind, svc.name, "deleted", why_not))
+        if kube.delete(api_version, kind, svc.namespace, name):
+            out.changes.append(Change(kind, name, "deleted", why_not))
+    return None
 
 
 def ensure_pdb(kube: Kube, svc: LLMService, out: Outcome) -> None:
@@ -183,6 +190,23 @@ def ensure_pdb(kube: Kube, svc: LLMService, out: Outcome) -> None:
 def ensure_network_policy(kube: Kube, svc: LLMService, operator: OperatorPeer, out: Outcome) -> None:
     ensure_optional(kube, svc, NETWORK_POLICY_API, "NetworkPolicy", build_network_policy(svc, operator),
                     "spec.networkPolicy.enabled is false", out)
+
+
+def ensure_router(kube: Kube, svc: LLMService, out: Outcome) -> dict | None:
+    """spec.router's children (builders/router.py): applied when on, returning the router's Deployment;
+    deleted when off."""
+    on, why_not, name = svc.router.enabled, "spec.router.enabled is false", svc.name
+    ensure_optional(kube, svc, "v1", "Service", build_pods_service(svc) if on else None, why_not, out,
+                    pods_service_name(name))
+    ensure_optional(kube, svc, NETWORK_POLICY_API, "NetworkPolicy", build_router_network_policy(svc),
+                    "no router or spec.networkPolicy.enabled is false", out, router_name(name))
+    return ensure_optional(kube, svc, "apps/v1", "Deployment", build_router_deployment(svc) if on else None,
+                           why_not, out, router_name(name))
+
+
+def router_serving(router: dict | None) -> bool:
+    """Whether the Service may send clients to the router: one of its pods is ready."""
+    return ((router or {}).get("status") or {}).get("readyReplicas", 0) >= 1
 
 
 def ready_pods(kube: Kube, svc: LLMService, token: str) -> list[dict]:
@@ -243,7 +267,12 @@ def reconcile(kube: Kube, svc: LLMService, *, pod_timeout: float = 3.0,
     out.knobs = attempt("knobs ConfigMap", ensure_knobs, kube, svc, out)
     if token is not None:  # the pod template carries the token's digest
         out.deployment = attempt("Deployment", apply_child, kube, svc, build_deployment(svc, token_digest(token)), out)
-    attempt("Service", apply_child, kube, svc, build_service(svc), out)
+    # the router before the Service that sends clients to it, and gone only after the Service left it
+    if svc.router.enabled:
+        out.router = attempt("router", ensure_router, kube, svc, out)
+    service = attempt("Service", apply_child, kube, svc, build_service(svc, router_serving(out.router)), out)
+    if not svc.router.enabled and service is not None:
+        attempt("router", ensure_router, kube, svc, out)
     attempt("PodDisruptionBudget", ensure_pdb, kube, svc, out)
     attempt("NetworkPolicy", ensure_network_policy, kube, svc, operator, out)
     if token is not None and out.knobs is not None:

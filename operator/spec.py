@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("continuous", "static")
 TUNING_MODES = ("off", "observe", "auto")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+ROUTER_POLICIES = ("least-load", "prefix-hash")  # `iterserve router --policy` (router/cli.py)
 DEFAULT_KNOBS = dict(wire.KNOB_DEFAULTS)
 
 
@@ -90,6 +91,16 @@ class NetworkPolicy:
 
 
 @dataclass(frozen=True)
+class Router:
+    """spec.router: an `iterserve router` Deployment in front of the pods, behind the Service `<name>`."""
+
+    enabled: bool = False
+    policy: str = "least-load"
+    replicas: int = 1
+    resources: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class SecretKeyRef:
     name: str
     key: str = "api-key"
@@ -121,6 +132,7 @@ class LLMService:
     drain_timeout_seconds: int = 30
     network_policy: NetworkPolicy = NetworkPolicy()
     autoscaling: Autoscaling | None = None  # None: replicas are spec.replicas (or an HPA's, through /scale)
+    router: Router = field(default_factory=Router)
 
 
 class _Reader:
@@ -222,6 +234,7 @@ def parse_llmservice(body: dict[str, Any]) -> LLMService:
         drain_timeout_seconds=r.integer(spec, "drainTimeoutSeconds", p, 30, lo=0, hi=3600),
         network_policy=_parse_network_policy(r, r.obj(spec, "networkPolicy", p), f"{p}.networkPolicy"),
         autoscaling=_parse_autoscaling(r, spec, p),
+        router=_parse_router(r, r.obj(spec, "router", p), f"{p}.router"),
     )
     _check_cross_field(r, service)
     if r.errors:
@@ -283,6 +296,13 @@ def _parse_autoscaling(r: _Reader, spec: dict, p: str) -> Autoscaling | None:
         scale_up_stabilization_seconds=r.integer(a, "scaleUpStabilizationSeconds", p, 0, lo=0, hi=3600),
         scale_down_stabilization_seconds=r.integer(a, "scaleDownStabilizationSeconds", p, 300, lo=0, hi=3600),
     )
+
+
+def _parse_router(r: _Reader, router: dict, p: str) -> Router:
+    return Router(enabled=r.boolean(router, "enabled", p, False),
+                  policy=r.string(router, "policy", p, "least-load", ROUTER_POLICIES),
+                  replicas=r.integer(router, "replicas", p, 1, lo=1, hi=100),
+                  resources=r.obj(router, "resources", p))
 
 
 def _parse_network_policy(r: _Reader, policy: dict, p: str) -> NetworkPolicy:

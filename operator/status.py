@@ -1,7 +1,7 @@
 """The status the operator writes on an LLMService, computed from what it observed (pure).
 
 The operator owns observedGeneration, replicas, readyReplicas, updatedReplicas, selector, knobs and
-the Ready, Progressing and Degraded conditions, and desiredReplicas without spec.autoscaling (with it,
+the Ready (the server pods and, with spec.router, the router's), Progressing and Degraded conditions, and desiredReplicas without spec.autoscaling (with it,
 the autoscaler owns desiredReplicas, lastScale and the Autoscaling condition: operator/scaling_loop.py). The tuner owns ttftP99Ms, itlP99Ms, kvCacheUsage,
 lastDecision and the Tuned condition; the operator only sets Tuned while tuning is off, or to Unknown
 before the tuner said anything.
@@ -30,6 +30,8 @@ class ReconcileResult:
     autoscaling: bool = False  # spec.autoscaling is set (its condition and lastScale stay)
     tuning_mode: str | None = None
     deployment: dict | None = None
+    router_replicas: int | None = None  # spec.router.replicas while the router is on, else None
+    router: dict | None = None  # the router's Deployment
     knobs: dict[str, int] | None = None  # in force (ConfigMap)
     spec_error: str | None = None
     problems: list[str] = field(default_factory=list)  # children or pods the operator could not set right
@@ -51,6 +53,10 @@ def _rollout(deployment: dict, wanted: int) -> tuple[bool, str]:
     if available < wanted:
         return True, f"{available}/{wanted} replicas available"
     return False, f"{wanted} replicas up to date"
+
+
+def _ready(deployment: dict | None) -> int:
+    return ((deployment or {}).get("status") or {}).get("readyReplicas", 0)
 
 
 def _deployment_failure(deployment: dict | None) -> str | None:
@@ -76,7 +82,7 @@ def compute_status(obs: ReconcileResult, current: dict | None, now: str) -> dict
         conditions = set_condition(conditions, type_, status, reason, message, observed_generation=gen, now=now)
 
     dep_status = (obs.deployment or {}).get("status") or {}
-    ready = dep_status.get("readyReplicas", 0)
+    ready = _ready(obs.deployment)
     wanted = obs.replicas_wanted
     if wanted is None:
         wanted = (obs.deployment or {}).get("spec", {}).get("replicas", 0)
@@ -84,10 +90,17 @@ def compute_status(obs: ReconcileResult, current: dict | None, now: str) -> dict
         put(READY, False, "DeploymentMissing", "the Deployment does not exist (yet)")
     elif wanted == 0:
         put(READY, False, "ScaledToZero", "spec.replicas is 0")
-    elif ready >= wanted:
-        put(READY, True, "AllReplicasReady", f"{ready}/{wanted} replicas ready")
-    else:
+    elif ready < wanted:
         put(READY, False, "ReplicasNotReady", f"{ready}/{wanted} replicas ready")
+    elif obs.router_replicas is not None and obs.router is None:
+        put(READY, False, "RouterMissing", f"{ready}/{wanted} replicas ready; the router's Deployment does not "
+            "exist (yet)")
+    elif obs.router_replicas is not None and _ready(obs.router) < obs.router_replicas:
+        put(READY, False, "RouterNotReady", f"{ready}/{wanted} replicas ready; router "
+            f"{_ready(obs.router)}/{obs.router_replicas} ready")
+    else:
+        router = "" if obs.router_replicas is None else f", router {_ready(obs.router)}/{obs.router_replicas}"
+        put(READY, True, "AllReplicasReady", f"{ready}/{wanted} replicas ready{router}")
 
     if obs.spec_error is not None:
         put(PROGRESSING, False, "InvalidSpec", "the spec is not applied until it is fixed")

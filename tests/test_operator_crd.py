@@ -102,6 +102,10 @@ def sample(**spec_changes) -> dict:
     ({"drainTimeoutSeconds": 7200}, "spec.drainTimeoutSeconds"),
     ({"networkPolicy": {"enabled": "yes"}}, "spec.networkPolicy.enabled"),
     ({"networkPolicy": {"apiFrom": [{"ipBlock": {"except": []}}]}}, "spec.networkPolicy.apiFrom.0.ipBlock"),
+    ({"router": {"enabled": 1}}, "spec.router.enabled"),
+    ({"router": {"policy": "round-robin"}}, "spec.router.policy"),
+    ({"router": {"replicas": 0}}, "spec.router.replicas"),
+    ({"router": {"resources": {"limits": {"cpu": "two"}}}}, "spec.router.resources.limits.cpu"),
 ])
 def test_schema_rejects_bad_fields_by_name(changes, field):
     errors = schema_errors(sample(**changes))

@@ -271,10 +271,12 @@ def test_operator_rights_are_only_what_it_uses(kube_cluster, kube_namespace, ope
                                       kubeconfig=kube_cluster.operator_kubeconfig, check=False)
         return result.stdout.strip() == "yes"
 
-    assert all(can(verb, res) for verb, res in [("patch", "deployments.apps"), ("create", "secrets"),
-                                                ("list", "pods"), ("patch", "llmservices.iterserve.io/status")])
+    # delete on Deployments and Services: spec.router turned off removes the router's
+    assert all(can(verb, res) for verb, res in [("patch", "deployments.apps"), ("delete", "deployments.apps"),
+                                                ("create", "secrets"), ("list", "pods"),
+                                                ("patch", "llmservices.iterserve.io/status")])
     assert not any(can(verb, res) for verb, res in [
-        ("delete", "deployments.apps"), ("delete", "secrets"), ("list", "secrets"), ("create", "pods"),
+        ("delete", "secrets"), ("list", "secrets"), ("create", "pods"),
         ("delete", "pods"), ("update", "llmservices.iterserve.io"), ("delete", "llmservices.iterserve.io"),
         ("create", "roles.rbac.authorization.k8s.io"), ("get", "nodes")])
 

@@ -105,10 +105,11 @@ def test_operator_with_only_the_namespaced_role(kube_cluster, kube_namespace, op
         ("watch", "llmservices.iterserve.io"), ("patch", "llmservices.iterserve.io/status")])
     assert not any(can(verb, res, "-n", ns) for verb, res in [
         ("get", "secrets/chat-key"), ("list", "secrets"), ("watch", "secrets"), ("delete", f"secrets/{ADMIN_SECRET}"),
-        ("delete", "deployments.apps"), ("create", "pods"), ("update", "llmservices.iterserve.io")])
+        ("create", "pods"), ("update", "llmservices.iterserve.io")])
     assert not any(can(verb, res, "-n", other) for verb, res in [
-        ("patch", "deployments.apps"), ("create", "secrets"), ("get", f"secrets/{ADMIN_SECRET}"),
-        ("list", "llmservices.iterserve.io"), ("list", "pods"), ("create", "events")])
+        ("patch", "deployments.apps"), ("delete", "deployments.apps"), ("create", "secrets"),
+        ("get", f"secrets/{ADMIN_SECRET}"), ("list", "llmservices.iterserve.io"), ("list", "pods"),
+        ("create", "events")])
     assert not any(can(verb, res) for verb, res in [
         ("list", "customresourcedefinitions.apiextensions.k8s.io"), ("list", "namespaces"), ("get", "nodes")])
     assert not can("list", "deployments.apps", "--all-namespaces")

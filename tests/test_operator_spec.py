@@ -9,7 +9,7 @@ import pytest
 
 from iterserve.operator.builders.configmap import build_knobs_configmap
 from iterserve.operator.knob_plan import plan_knobs
-from iterserve.operator.spec import DEFAULT_IMAGE, Autoscaling, SpecError, parse_llmservice
+from iterserve.operator.spec import DEFAULT_IMAGE, Autoscaling, Router, SpecError, parse_llmservice
 
 
 def body(spec: dict) -> dict:
@@ -60,7 +60,23 @@ INVALID = [
      "spec.autoscaling.maxReplicas", "must be in [1, 1000]"),
     ({"autoscaling": {"maxReplicas": 4, "scaleDownStabilizationSeconds": -1}, "tuning": {"mode": "auto"},
       "slo": {"ttftP99Ms": 500}}, "spec.autoscaling.scaleDownStabilizationSeconds", "must be in [0, 3600]"),
+    ({"router": {"enabled": "yes"}}, "spec.router.enabled", "must be true or false"),
+    ({"router": {"enabled": True, "policy": "round-robin"}}, "spec.router.policy",
+     "must be one of least-load, prefix-hash, got 'round-robin'"),
+    ({"router": {"enabled": True, "replicas": 0}}, "spec.router.replicas", "must be in [1, 100], got 0"),
+    ({"router": {"replicas": 2.5}}, "spec.router.replicas", "must be an integer"),
+    ({"router": {"resources": "small"}}, "spec.router.resources", "must be an object"),
+    ({"router": True}, "spec.router", "must be an object"),
 ]
+
+
+def test_router_defaults_and_fields():
+    assert parse_llmservice(body({})).router == Router(enabled=False, policy="least-load", replicas=1, resources={})
+    assert parse_llmservice(body({"router": {}})).router == Router()
+    svc = parse_llmservice(body({"router": {"enabled": True, "policy": "prefix-hash", "replicas": 3,
+                                            "resources": {"requests": {"cpu": "500m"}}}}))
+    assert svc.router == Router(enabled=True, policy="prefix-hash", replicas=3,
+                                resources={"requests": {"cpu": "500m"}})
 
 
 def test_autoscaling_defaults_and_absence():

@@ -62,6 +62,17 @@ STATES = [
       "Ready": ("True", "AllReplicasReady")}),
     ("child failed", dict(problems=["Service: HTTP 403: forbidden"], deployment=deployment()),
      {"Degraded": ("True", "ReconcileFailed")}),
+    ("router on, its Deployment not there yet", dict(deployment=deployment(), router_replicas=1),
+     {"Ready": ("False", "RouterMissing")}),
+    ("router on, not ready", dict(deployment=deployment(), router_replicas=2, router=deployment(ready=1)),
+     {"Ready": ("False", "RouterNotReady"), "Progressing": ("False", "RolloutComplete")}),
+    ("router on and ready", dict(deployment=deployment(), router_replicas=2, router=deployment()),
+     {"Ready": ("True", "AllReplicasReady")}),
+    ("router ready, server pods not", dict(deployment=deployment(ready=1), router_replicas=1, router=deployment()),
+     {"Ready": ("False", "ReplicasNotReady")}),
+    ("router off: a leftover router Deployment is not looked at", dict(deployment=deployment(),
+                                                                       router=deployment(ready=0)),
+     {"Ready": ("True", "AllReplicasReady")}),
     ("tuning off", dict(tuning_mode="off", deployment=deployment()), {"Tuned": ("False", "TuningOff")}),
     ("tuning auto, no decision yet", dict(tuning_mode="auto", deployment=deployment()),
      {"Tuned": ("Unknown", "WaitingForMetrics")}),
@@ -87,6 +98,16 @@ def test_status_fields_and_the_tuners_condition_is_left_alone():
     assert status["selector"] == "app.kubernetes.io/name=iterserve,app.kubernetes.io/instance=chat"
     assert status["knobs"] == {"maxNumSeqs": 8, "maxNumBatchedTokens": 512, "prefillChunkSize": 64}
     assert "ttftP99Ms" not in status  # the tuner's field: not rewritten by the operator
+
+
+def test_ready_message_counts_the_router():
+    obs = ReconcileResult(name="chat", generation=3, replicas_wanted=2, deployment=deployment(), router_replicas=2,
+                          router=deployment(ready=1))
+    ready = get_condition(compute_status(obs, None, T0)["conditions"], "Ready")
+    assert ready["message"] == "2/2 replicas ready; router 1/2 ready"
+    obs.router = deployment()
+    ready = get_condition(compute_status(obs, None, T0)["conditions"], "Ready")
+    assert ready["message"] == "2/2 replicas ready, router 2/2"
 
 
 @pytest.mark.parametrize("observed_before, generation, expected", [

@@ -25,6 +25,8 @@ PRESTOP_SLEEP_S = 5
 # After --drain-timeout the server aborts what is left and uvicorn takes up to 5 s to close connections.
 SHUTDOWN_MARGIN_S = 10
 TOKEN_DIGEST_ANNOTATION = ANNOTATION_PREFIX + "admin-token-digest"
+SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                      "prometheus.io/path": "/metrics"}
 
 
 def model_path(svc: LLMService) -> str | None:
@@ -83,9 +85,40 @@ def _volumes(svc: LLMService) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _http_probe(path: str, period: int, failures: int) -> dict:
+def http_probe(path: str, period: int, failures: int) -> dict:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
             "failureThreshold": failures}
+
+
+def hardened_container() -> dict:
+    """The container fields every pod of a service shares (server and router): a writable /tmp under a
+    read-only root, no privileges, the Service told to stop sending before the SIGTERM."""
+    return {"lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
+            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}}
+
+
+def hardened_pod_spec(svc: LLMService, container: dict, volumes: list[dict], grace_seconds: int) -> dict:
+    """A pod spec around `container` that never calls the Kubernetes API, runs as the image's user and
+    pulls as the spec says."""
+    spec = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": grace_seconds,
+        "automountServiceAccountToken": False,  # neither the server nor the router calls the Kubernetes API
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    if svc.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": name} for name in svc.image_pull_secrets]
+    if svc.image_pull_policy:
+        container["imagePullPolicy"] = svc.image_pull_policy
+    return spec
+
+
+def container_resources(resources: dict) -> dict:
+    return {key: dict(value) for key, value in resources.items() if value}
 
 
 def _container(svc: LLMService) -> dict:
@@ -99,18 +132,14 @@ def _container(svc: LLMService) -> dict:
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"}],
         # loading a model can take minutes: liveness starts counting only once /health answered
-        "startupProbe": _http_probe("/health", 5, 120),
-        "livenessProbe": _http_probe("/health", 10, 3),
-        "readinessProbe": _http_probe("/ready", 5, 2),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
+        "startupProbe": http_probe("/health", 5, 120),
+        "livenessProbe": http_probe("/health", 10, 3),
+        "readinessProbe": http_probe("/ready", 5, 2),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        **hardened_container(),
     }
     if svc.resources:
-        container["resources"] = {key: dict(value) for key, value in svc.resources.items() if value}
-    if svc.image_pull_policy:
-        container["imagePullPolicy"] = svc.image_pull_policy
+        container["resources"] = container_resources(svc.resources)
     return container
 
 
@@ -121,42 +150,28 @@ def termination_grace_seconds(svc: LLMService) -> int:
 def build_deployment(svc: LLMService, admin_token_digest: str) -> dict:
     """`admin_token_digest` (secret.token_digest) is in the template so that a new admin token rolls the pods."""
     volumes, _ = _volumes(svc)
-    pod_spec = {
-        "containers": [_container(svc)],
-        "volumes": volumes,
-        "terminationGracePeriodSeconds": termination_grace_seconds(svc),
-        "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
-        "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-    }
+    pod_spec = hardened_pod_spec(svc, _container(svc), volumes, termination_grace_seconds(svc))
     if svc.node_selector:
         pod_spec["nodeSelector"] = dict(svc.node_selector)
     if svc.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in svc.tolerations]
-    if svc.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": name} for name in svc.image_pull_secrets]
+    annotations = {**SCRAPE_ANNOTATIONS, TOKEN_DIGEST_ANNOTATION: admin_token_digest}
+    return rolling_deployment(child_metadata(svc, svc.name), svc.replicas, selector_labels(svc.name),
+                              labels(svc.name), annotations, pod_spec)
+
+
+def rolling_deployment(metadata: dict, replicas: int, selector: dict[str, str], pod_labels: dict[str, str],
+                       annotations: dict[str, str], pod_spec: dict) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_metadata(svc, svc.name),
+        "metadata": metadata,
         "spec": {
-            "replicas": svc.replicas,
-            "selector": {"matchLabels": selector_labels(svc.name)},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
             # a new pod must be ready before an old one goes (needs room for one more pod, e.g. one more GPU)
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
-            "template": {
-                "metadata": {
-                    "labels": labels(svc.name),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(HTTP_PORT),
-                        "prometheus.io/path": "/metrics",
-                        TOKEN_DIGEST_ANNOTATION: admin_token_digest,
-                    },
-                },
-                "spec": pod_spec,
-            },
+            "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec},
         },
     }

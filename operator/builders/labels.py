@@ -31,14 +31,37 @@ def labels(name: str) -> dict[str, str]:
             "app.kubernetes.io/managed-by": MANAGED_BY}
 
 
+def router_name(name: str) -> str:
+    """The router's Deployment (and its NetworkPolicy)."""
+    return f"{name}-router"
+
+
+def pods_service_name(name: str) -> str:
+    """The headless Service whose DNS name resolves to the ready server pods, for the router."""
+    return f"{name}-pods"
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    """What selects the router's pods: the same keys as `selector_labels` (so the Service `<name>` switches
+    between them by value alone) and a different name, so that nothing selecting the server pods (their
+    Deployment, the PDB, the tuner's pod list, status.selector) ever takes a router pod."""
+    return {"app.kubernetes.io/name": "iterserve-router", "app.kubernetes.io/instance": name}
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return {**router_selector_labels(name), "app.kubernetes.io/component": "router",
+            "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
 def owner_reference(svc: LLMService) -> dict:
     # blockOwnerDeletion: foreground deletion of the LLMService waits for its children
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": svc.name, "uid": svc.uid,
             "controller": True, "blockOwnerDeletion": True}
 
 
-def child_metadata(svc: LLMService, name: str, annotations: dict[str, str] | None = None) -> dict:
-    meta = {"name": name, "namespace": svc.namespace, "labels": labels(svc.name),
+def child_metadata(svc: LLMService, name: str, annotations: dict[str, str] | None = None,
+                   child_labels: dict[str, str] | None = None) -> dict:
+    meta = {"name": name, "namespace": svc.namespace, "labels": child_labels or labels(svc.name),
             "ownerReferences": [owner_reference(svc)]}
     if annotations:
         meta["annotations"] = annotations
