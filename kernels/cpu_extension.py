@@ -12,8 +12,10 @@ be flipped in-process.
 An image carries them prebuilt instead (it has no compiler, and its root filesystem is read-only): set
 ITERSERVE_CPU_KERNELS_DIR to a directory that `python -m iterserve.kernels.prebuild DIR` filled at image
 build time, one build per torch version and x86-64 microarchitecture level (`-march=x86-64-v3` for AVX2,
-`-v4` for AVX-512). A process loads the best level this CPU runs and builds nothing; when none fits,
-it falls back to building (and, without a compiler, to the torch path, saying so).
+`-v4` for AVX-512, and `x86-64-v4-bf16`: -v4 with AVX512-BF16's dot products, which the prefill
+attention kernel multiplies bf16 with where the CPU has them). A process loads the best level this CPU
+runs and builds nothing; when none fits, it falls back to building (and, without a compiler, to the
+torch path, saying so).
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ PREBUILT_ENV = "ITERSERVE_CPU_KERNELS_DIR"
 _V2 = {"sse4_2", "ssse3", "popcnt", "cx16"}
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-MARCH_LEVELS = (("x86-64-v4", _V4), ("x86-64-v3", _V3), ("x86-64-v2", _V2))
+MARCH_LEVELS = (("x86-64-v4-bf16", _V4 | {"avx512_bf16"}), ("x86-64-v4", _V4), ("x86-64-v3", _V3),
+               ("x86-64-v2", _V2))
+# levels that are not one of GCC's -march values: the level they extend and the flags they add
+_MARCH_EXTENSIONS = {"x86-64-v4-bf16": ("x86-64-v4", ("-mavx512bf16",))}
+
+
+def march_flags(march: str) -> list[str]:
+    """The compiler flags of a level (or of `native`)."""
+    base, extra = _MARCH_EXTENSIONS.get(march, (march, ()))
+    return [f"-march={base}", *extra]
 
 
 def _cpu_flags() -> set[str]:
@@ -126,14 +137,14 @@ class CppExtension:
         self._lock = threading.Lock()
 
     def compile(self, build_dir: Path, march: str = "native") -> ModuleType:
-        """Build (or, when nothing changed, load) the extension in build_dir with -march=`march`."""
+        """Build (or, when nothing changed, load) the extension in build_dir for the level `march`."""
         from torch.utils.cpp_extension import load
 
         build_dir.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(build_dir / "lock")
         # -fopenmp: at::parallel_for runs on torch's OpenMP pool only when the including code is compiled
         # with OpenMP (the soname resolves to the libgomp torch already loaded); it also enables `omp simd`.
-        flags = ["-O3", f"-march={march}", "-fopenmp", *self.extra_cflags]
+        flags = ["-O3", *march_flags(march), "-fopenmp", *self.extra_cflags]
         return load(name=self.name, sources=[str(self.source)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
 

@@ -1,6 +1,6 @@
 """Builds the C++ CPU kernels ahead of time into a directory that ITERSERVE_CPU_KERNELS_DIR points at.
 
-    python -m iterserve.kernels.prebuild DIR [MARCH ...]     (default: x86-64-v3 x86-64-v4)
+    python -m iterserve.kernels.prebuild DIR [MARCH ...]     (default: x86-64-v3 x86-64-v4 x86-64-v4-bf16)
 
 Run at image build time (manifests/Dockerfile.server): the image then serves with the kernels although
 it has no compiler and a read-only root filesystem. Each kernel is built once per -march level into
@@ -22,7 +22,7 @@ from iterserve.kernels.cpu_extension import prebuilt_path, supported_marches
 
 EXTENSIONS = {e.name: e for e in (cpu_paged_attention._extension, cpu_paged_attention._prefill_extension,
                                   cpu_layer_ops._extension)}
-DEFAULT_MARCHES = ("x86-64-v3", "x86-64-v4")
+DEFAULT_MARCHES = ("x86-64-v3", "x86-64-v4", "x86-64-v4-bf16")
 
 
 def build_one(name: str, march: str, root: Path) -> Path:

@@ -26,8 +26,11 @@ server_image=ghcr.io/iterserve/server:$tag
 operator_image=ghcr.io/iterserve/operator:$tag
 base_image=localhost/iterserve-base:bookworm
 build_base_image=localhost/iterserve-build-base:bookworm
-# the kernels are built for these -march levels; the builder's CPU must run each (they are imported)
-marches=${ITERSERVE_CPU_KERNEL_MARCHES:-x86-64-v3 x86-64-v4}
+# the kernels are built for these -march levels; the builder's CPU must run each (they are imported).
+# x86-64-v4-bf16 (AVX512-BF16 dot products in the prefill attention kernel) when this CPU has it.
+default_marches="x86-64-v3 x86-64-v4"
+grep -qw avx512_bf16 /proc/cpuinfo && default_marches="$default_marches x86-64-v4-bf16"
+marches=${ITERSERVE_CPU_KERNEL_MARCHES:-$default_marches}
 
 say() { echo "build_images.sh: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -47,6 +50,7 @@ mkdir -p "$cache" "$wheels"
 for march in $marches; do
   case $march in
     x86-64-v4) grep -qw avx512f /proc/cpuinfo || die "this CPU lacks AVX-512: set ITERSERVE_CPU_KERNEL_MARCHES=x86-64-v3" ;;
+    x86-64-v4-bf16) grep -qw avx512_bf16 /proc/cpuinfo || die "this CPU lacks AVX512-BF16: leave x86-64-v4-bf16 out of ITERSERVE_CPU_KERNEL_MARCHES" ;;
   esac
 done
 

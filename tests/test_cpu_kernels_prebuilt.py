@@ -38,7 +38,9 @@ if cpu_layer_ops.available():
 
 
 @pytest.mark.parametrize("flags, machine, expected", [
+    (V4_FLAGS | {"avx512_bf16"}, "x86_64", ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64-v2"]),
     (V4_FLAGS, "x86_64", ["x86-64-v4", "x86-64-v3", "x86-64-v2"]),
+    (V3_FLAGS | {"avx512_bf16"}, "x86_64", ["x86-64-v3", "x86-64-v2"]),
     (V3_FLAGS, "x86_64", ["x86-64-v3", "x86-64-v2"]),
     (V4_FLAGS - {"avx512vl"}, "x86_64", ["x86-64-v3", "x86-64-v2"]),  # every flag of a level, or not it
     (set(), "x86_64", []),
@@ -48,6 +50,15 @@ def test_march_levels_are_those_the_cpu_runs_best_first(monkeypatch, flags, mach
     monkeypatch.setattr(cpu_extension, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_extension.platform, "machine", lambda: machine)
     assert supported_marches() == expected
+
+
+@pytest.mark.parametrize("march, flags", [
+    ("x86-64-v4-bf16", ["-march=x86-64-v4", "-mavx512bf16"]),
+    ("x86-64-v3", ["-march=x86-64-v3"]),
+    ("native", ["-march=native"]),
+])
+def test_a_level_is_its_compiler_flags(march, flags):
+    assert cpu_extension.march_flags(march) == flags
 
 
 def run_without_compiler(tmp_path: Path, kernels_dir: Path) -> subprocess.CompletedProcess:
