@@ -14,64 +14,22 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
+#include "decode_tiles.h"
 #include "vec_exp.h"
 
 namespace {
 
 using iterserve::bf16;
 using iterserve::load;
+using namespace iterserve::decode;
 
 // Multiply-adds (per q.k or per p*v pass) below which a task is not worth a thread: torch's grain for
 // elementwise ops (at::internal::GRAIN_SIZE), an estimate here, not a measurement.
 constexpr int64_t kMinWorkPerTask = 32768;
-
-// The head_dim loops are `omp simd` so GCC vectorizes them; -march=native picks the vector width. `D` is
-// a compile-time constant for the common head sizes (see attend's dispatch), so they unroll fully; 0
-// means a head size known only at run time (`n`).
-//
-// dot's sum across vector lanes is written out with intrinsics where the CPU has them: for an `omp simd`
-// reduction GCC adds the lanes one at a time, and those scalar adds took most of the kernel's time.
-// T: the cache's element type; the query side is always fp32 scratch.
-template <int64_t D, typename T>
-inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (D > 0 && D % 16 == 0) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), iterserve::load16(b));
-    for (int64_t i = 16; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), iterserve::load16(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (D > 0 && D % 8 == 0) {
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), iterserve::load8(b));
-    for (int64_t i = 8; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), iterserve::load8(b + i), acc);
-    const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-  }
-#endif
-  const int64_t len = D ? D : n;
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < len; ++i) s += a[i] * load(b[i]);
-  return s;
-}
-
-template <int64_t D, typename T>
-inline void axpy(float* __restrict y, float a, const T* __restrict x, int64_t n) {
-  const int64_t len = D ? D : n;
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) y[i] += a * load(x[i]);
-}
-
-// y = a * x, stored as Y (the output's type) from X (the query's, or fp32 scratch).
-template <typename Y, typename X>
-inline void scale_into(Y* __restrict y, float a, const X* __restrict x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) iterserve::store(&y[i], a * load(x[i]));
-}
 
 // Every cache line of [p, p + count).
 template <typename T>
@@ -91,66 +49,6 @@ struct Scratch {
   Scratch(const Shape& s, int64_t heads)
       : q(heads * s.head_dim), acc(heads * s.head_dim), scores(heads * s.block_size), max(heads), sum(heads) {}
 };
-
-// One cache block against one KV head's G query rows: scores[g * bs + t] = q_g . k_t (block_scores), and
-// acc_g += sum_t scores[g * bs + t] v_t (block_apply), for the block's n tokens; K and V rows are
-// `stride` elements apart. The AVX-512 forms keep a query row or an accumulator row in registers for the
-// whole block and sum four tokens' lanes at once; the portable ones serve other CPUs and head sizes.
-template <int64_t kD, typename T>
-inline void block_scores(const float* q, int64_t G, const T* k, int64_t n, int64_t stride, int64_t D,
-                         float* scores, int64_t bs) {
-#if defined(__AVX512F__)
-  if constexpr (kD > 0 && kD % 16 == 0) {
-    constexpr int64_t C = kD / 16;
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 qv[C];
-      for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * kD + 16 * c);
-      // each token's 16 partial sums folded to 4, then four tokens' folds summed into one vector
-      auto fold = [&](int64_t t) {
-        const T* row = k + t * stride;
-        __m512 p = _mm512_mul_ps(qv[0], iterserve::load16(row));
-        for (int64_t c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], iterserve::load16(row + 16 * c), p);
-        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
-        return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      };
-      int64_t t = 0;
-      for (; t + 4 <= n; t += 4) {
-        const __m128 a = _mm_hadd_ps(fold(t), fold(t + 1)), b = _mm_hadd_ps(fold(t + 2), fold(t + 3));
-        _mm_storeu_ps(scores + g * bs + t, _mm_hadd_ps(a, b));
-      }
-      for (; t < n; ++t) scores[g * bs + t] = dot<kD>(q + g * kD, k + t * stride, kD);
-    }
-    return;
-  }
-#endif
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t g = 0; g < G; ++g) scores[g * bs + t] = dot<kD>(q + g * D, k + t * stride, D);
-  }
-}
-
-template <int64_t kD, typename T>
-inline void block_apply(float* acc, int64_t G, const T* v, int64_t n, int64_t stride, int64_t D,
-                        const float* scores, int64_t bs) {
-#if defined(__AVX512F__)
-  if constexpr (kD > 0 && kD % 16 == 0) {
-    constexpr int64_t C = kD / 16;
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 a[C];
-      for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + g * kD + 16 * c);
-      for (int64_t t = 0; t < n; ++t) {
-        const __m512 p = _mm512_set1_ps(scores[g * bs + t]);
-        const T* row = v + t * stride;
-        for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, iterserve::load16(row + 16 * c), a[c]);
-      }
-      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * kD + 16 * c, a[c]);
-    }
-    return;
-  }
-#endif
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t g = 0; g < G; ++g) axpy<kD>(acc + g * D, scores[g * bs + t], v + t * stride, D);
-  }
-}
 
 // The query heads of KV heads [h0, h1) of one request against its `len` cached tokens, one cache block
 // at a time. Blocks are the outer loop: a block's K rows (then its V rows) for every KV head of the item
@@ -178,6 +76,15 @@ void attend_d(const T* q, const T* k_cache, const T* v_cache, const int64_t* tab
     // while V is applied: the hardware prefetcher does not follow a block table.
     prefetch(v_cache + base, span);
     for (int64_t h = 0; h < h1 - h0; ++h) {
+#if defined(__AVX512BF16__)
+      if constexpr (kPairScores<T, kD>) {
+        for_row_chunks<3>(G, [&](int64_t r, auto rows) {
+          scores_rows_pairs<kD, decltype(rows)::value>(q + (h * G + r) * kD, k_cache + base + h * D, n,
+                                                       slot_stride, scale, &w.scores[(h * G + r) * bs], bs);
+        });
+        continue;
+      }
+#endif
       block_scores<kD>(&w.q[h * G * D], G, k_cache + base + h * D, n, slot_stride, D, &w.scores[h * G * bs], bs);
     }
     if (b + 1 < num_blocks) {
@@ -185,10 +92,7 @@ void attend_d(const T* q, const T* k_cache, const T* v_cache, const int64_t* tab
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* p = &w.scores[r * bs];
-      float block_max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : block_max)
-      for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, p[t]);
-      const float new_max = std::max(w.max[r], block_max);
+      const float new_max = std::max(w.max[r], max_of(p, n));
       float block_sum = 0.f;
       // vectorized exp: a scalar libm exp per score took most of the kernel's time
 #pragma omp simd reduction(+ : block_sum)
@@ -196,10 +100,14 @@ void attend_d(const T* q, const T* k_cache, const T* v_cache, const int64_t* tab
         p[t] = iterserve::exp_approx(p[t] - new_max, lo, hi);
         block_sum += p[t];
       }
-      const float correction = std::exp(w.max[r] - new_max);  // 0 on the first block (max = -inf)
-      if (correction != 1.f) scale_into(&w.acc[r * D], correction, &w.acc[r * D], D);
-      w.sum[r] = w.sum[r] * correction + block_sum;
-      w.max[r] = new_max;
+      // once the max has settled, most blocks leave it be: no rescale, and no scalar exp to find that out
+      if (new_max != w.max[r]) {
+        const float correction = std::exp(w.max[r] - new_max);  // 0 on the first block (max = -inf)
+        scale_into(&w.acc[r * D], correction, &w.acc[r * D], D);
+        w.sum[r] *= correction;
+        w.max[r] = new_max;
+      }
+      w.sum[r] += block_sum;
     }
     for (int64_t h = 0; h < h1 - h0; ++h) {
       block_apply<kD>(&w.acc[h * G * D], G, v_cache + base + h * D, n, slot_stride, D, &w.scores[h * G * bs], bs);
