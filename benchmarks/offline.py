@@ -26,9 +26,9 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable
 import torch
 
 from benchmarks.baseline_hf import run_hf_sequential
+from benchmarks.offline_workload import make_workload
 from benchmarks.prepare_model import prepare_hf_model
 from benchmarks.scheduler_overhead import measure_overhead
-from benchmarks.offline_workload import make_workload
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.entrypoints.llm import LLM

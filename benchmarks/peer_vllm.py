@@ -118,8 +118,8 @@ def _tail(path: Path, lines: int = 40) -> str:
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*`, run as a file
     from benchmarks.offline import run_iterserve
-    from benchmarks.prepare_model import prepare_hf_model
     from benchmarks.offline_workload import WORKLOADS, make_workload
+    from benchmarks.prepare_model import prepare_hf_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--install", action="store_true", help="create the vLLM venv if missing, then measure")

@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 
 from e2e.support import (
-    OPERATOR_NS, READY_TIMEOUT, SERVER_IMAGE, apply_service, condition, get, kubectl, pods, wait_until,
+    OPERATOR_NS,
+    READY_TIMEOUT,
+    SERVER_IMAGE,
+    apply_service,
+    condition,
+    get,
+    kubectl,
+    pods,
+    wait_until,
 )
 
 SA = f"system:serviceaccount:{OPERATOR_NS}:iterserve-operator"

@@ -24,9 +24,9 @@ kill switch, read on every call so it can be flipped in-process.
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from iterserve.kernels.cpu_extension import CppExtension
 from iterserve.kernels.layer_ops import TorchLayerOps

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
 
+from iterserve.operator.autoscaling import with_replicas_in_force
 from iterserve.operator.builders.configmap import knobs_from_configmap
 from iterserve.operator.builders.labels import knobs_configmap_name, router_name
 from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.conditions import DEGRADED, TUNED, get_condition, now_iso, set_condition, transitions
-from iterserve.operator.autoscaling import with_replicas_in_force
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.reconcile import Change, reconcile, short_error

@@ -21,16 +21,24 @@ from kubernetes.client.exceptions import ApiException
 from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap, spec_knobs_recorded
 from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION, build_deployment
 from iterserve.operator.builders.labels import (
-    ADMIN_PORT_NAME, HTTP_PORT, knobs_configmap_name, pods_service_name, router_name, selector_string,
+    ADMIN_PORT_NAME,
+    HTTP_PORT,
+    knobs_configmap_name,
+    pods_service_name,
+    router_name,
+    selector_string,
 )
 from iterserve.operator.builders.networkpolicy import API_VERSION as NETWORK_POLICY_API
-from iterserve.operator.builders.networkpolicy import (
-    OperatorPeer, build_network_policy, build_router_network_policy,
-)
+from iterserve.operator.builders.networkpolicy import OperatorPeer, build_network_policy, build_router_network_policy
 from iterserve.operator.builders.pdb import build_pdb
 from iterserve.operator.builders.router import build_pods_service, build_router_deployment
 from iterserve.operator.builders.secret import (
-    ADMIN_SECRET, admin_secret_patch, admin_token_of, build_admin_secret, new_admin_token, token_digest,
+    ADMIN_SECRET,
+    admin_secret_patch,
+    admin_token_of,
+    build_admin_secret,
+    new_admin_token,
+    token_digest,
 )
 from iterserve.operator.builders.service import build_service
 from iterserve.operator.drift import differences, foreign_owner

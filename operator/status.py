@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from iterserve.operator.builders.labels import selector_string
-from iterserve.operator.conditions import (
-    AUTOSCALING, DEGRADED, PROGRESSING, READY, TUNED, get_condition, set_condition,
-)
+from iterserve.operator.conditions import AUTOSCALING, DEGRADED, PROGRESSING, READY, TUNED, get_condition, set_condition
 from iterserve.operator.spec import camel
 
 TUNING_OFF_MESSAGE = "spec.tuning.mode is off: knobs stay at spec.engine"

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from iterserve.common import wire
 from iterserve.server.engine.knobs import SchedulerKnobs
-from iterserve.server.errors import InvalidRequestError
 from iterserve.server.engine.scheduler import POLICIES
+from iterserve.server.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

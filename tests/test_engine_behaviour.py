@@ -6,8 +6,8 @@ import pytest
 
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.sampling_params import SamplingParams
-from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints.llm import LLM
+from iterserve.server.errors import InvalidRequestError
 from tests.conftest import make_engine
 
 

@@ -6,8 +6,18 @@ import base64
 
 import pytest
 
-from tests.kubelet_podspec import ContainerConfigError, container_argv, container_ports, decode_secret_data, \
-    expand_vars, main_container, readiness_target, remap_path, resolve_env, with_option
+from tests.kubelet_podspec import (
+    ContainerConfigError,
+    container_argv,
+    container_ports,
+    decode_secret_data,
+    expand_vars,
+    main_container,
+    readiness_target,
+    remap_path,
+    resolve_env,
+    with_option,
+)
 from tests.kubelet_status import PodState, pod_status
 
 ENV = {"A": "1", "EMPTY": ""}

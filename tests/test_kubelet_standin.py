@@ -10,9 +10,9 @@ import httpx
 import kubernetes
 import yaml
 
-from tests.waiting import wait_until
 from tests.kubelet_standin import LocalKubelet
 from tests.server_support import add_tiny_tokenizer
+from tests.waiting import wait_until
 
 ADMIN_TOKEN = "admin-token-for-test"
 

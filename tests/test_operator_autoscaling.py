@@ -22,8 +22,16 @@ from iterserve.operator.status import ReconcileResult, compute_status
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning_loop import TuningLoop
 from tests.operator_support import (
-    TIMEOUT, admin_kube, apply_llmservice, children_of, condition, merge_patch_llmservice, operator, operator_rbac,
-    wait_for_event, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    apply_llmservice,
+    children_of,
+    condition,
+    merge_patch_llmservice,
+    operator,
+    operator_rbac,
+    wait_for_event,
+    wait_for_status,
 )
 from tests.waiting import wait_until
 

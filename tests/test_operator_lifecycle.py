@@ -13,11 +13,20 @@ import pytest
 from iterserve.operator.builders.labels import ADMIN_PORT, HTTP_PORT
 from iterserve.operator.constants import GROUP, PLURAL, VERSION
 from tests.hung_pod import create_hung_pod
-from tests.waiting import wait_until
 from tests.operator_support import (
-    TIMEOUT, admin_kube, admin_token, apply_llmservice, assert_no_denials, condition, merge_patch_llmservice,
-    operator, operator_rbac, start_operator, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    admin_token,
+    apply_llmservice,
+    assert_no_denials,
+    condition,
+    merge_patch_llmservice,
+    operator,
+    operator_rbac,
+    start_operator,
+    wait_for_status,
 )
+from tests.waiting import wait_until
 
 __all__ = ["operator", "operator_rbac"]  # fixtures, used by name
 

@@ -7,11 +7,11 @@ import ast
 import json
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import tomllib
 
 from iterserve.operator.builders.deployment import RUN_AS
 from iterserve.operator.builders.networkpolicy import NAMESPACE_NAME_LABEL

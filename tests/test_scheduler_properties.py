@@ -24,6 +24,7 @@ from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.errors import InvalidRequestError
 from tests.kv_trace_runner import VOCAB, KVTraceRunner
 from tests.kv_trace_runner import next_token as _trace_next_token
+
 KNOB_NAMES = tuple(f.name for f in dataclasses.fields(SchedulerKnobs))
 
 

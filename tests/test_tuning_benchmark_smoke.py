@@ -12,8 +12,16 @@ import pytest
 
 from benchmarks.tuning import main, make_load, parse_args, round_ms
 from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
-from benchmarks.tuning_report import (attainable, best_static, fold_repeats, machine_speed, median_or_none,
-                                      noise_check, phase_spans, verdict)
+from benchmarks.tuning_report import (
+    attainable,
+    best_static,
+    fold_repeats,
+    machine_speed,
+    median_or_none,
+    noise_check,
+    phase_spans,
+    verdict,
+)
 from benchmarks.tuning_runs import convergence_s, within_one_step
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.server.bench.client import RequestRecord

@@ -8,7 +8,15 @@ import dataclasses
 import pytest
 
 from iterserve.operator.tuning.decide import (
-    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK, TunerState, decide,
+    BACK_OFF_SEQS,
+    CLAMP,
+    HOLD,
+    LOWER_CHUNK,
+    RAISE_CHUNK,
+    RAISE_SEQS,
+    ROLLBACK,
+    TunerState,
+    decide,
 )
 from iterserve.operator.tuning.failures import same_mix
 from iterserve.operator.tuning.knobs import Knobs

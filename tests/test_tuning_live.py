@@ -14,11 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.decide import BACK_OFF_SEQS, RAISE_SEQS
 from iterserve.operator.tuning.histograms import histogram_quantile
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observe import PodScraper
+from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.prometheus import PrometheusSource
 from iterserve.operator.tuning.tuner import Tuner

@@ -10,7 +10,14 @@ import pytest
 
 from iterserve.operator.spec import Bound, parse_llmservice
 from iterserve.operator.tuning.decide import (
-    HOLD, LOWER_CHUNK, NOT_OBSERVED, RAISE_SEQS, ROLLBACK, Condition, Decision, TunerState,
+    HOLD,
+    LOWER_CHUNK,
+    NOT_OBSERVED,
+    RAISE_SEQS,
+    ROLLBACK,
+    Condition,
+    Decision,
+    TunerState,
 )
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observe import PodScraper
@@ -18,7 +25,13 @@ from iterserve.operator.tuning.policy import InvalidPolicyError, KnobBounds, Tun
 from iterserve.operator.tuning.prometheus import PrometheusSource
 from iterserve.operator.tuning.tuner import TuningRecord
 from iterserve.operator.tuning_loop import (
-    EventMemory, events_for, metrics_source, next_delay, policy_from_spec, tuned_of, tuning_enabled,
+    EventMemory,
+    events_for,
+    metrics_source,
+    next_delay,
+    policy_from_spec,
+    tuned_of,
+    tuning_enabled,
 )
 
 

@@ -16,12 +16,26 @@ from collections.abc import Callable
 from functools import cached_property
 
 from iterserve.operator.tuning.actions import (  # noqa: F401  (the action names' usual import path)
-    AIMS, BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK,
+    AIMS,
+    BACK_OFF_SEQS,
+    CLAMP,
+    HOLD,
+    LOWER_CHUNK,
+    RAISE_CHUNK,
+    RAISE_SEQS,
+    ROLLBACK,
 )
 from iterserve.operator.tuning.chunk_moves import decodes_back, decodes_cheap, headroom_raise
 from iterserve.operator.tuning.corrections import back_off_seqs, cap_binds, clamp, correct, corrections, judge
 from iterserve.operator.tuning.decision import (  # noqa: F401  (re-exported: decide's types)
-    NOT_OBSERVED, Condition, Decision, PendingChange, TunerState, breached, move, stay,
+    NOT_OBSERVED,
+    Condition,
+    Decision,
+    PendingChange,
+    TunerState,
+    breached,
+    move,
+    stay,
 )
 from iterserve.operator.tuning.failures import mark_failed
 from iterserve.operator.tuning.observation import Observation

@@ -12,17 +12,32 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.operator.tuning.histograms import add_buckets, histogram_quantile
 from iterserve.operator.tuning.observation import (
-    COUNTERS, GAUGES, GENERATION_TOKENS, HISTOGRAMS, HTTP_RESPONSES, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME,
-    REQUESTS, RUNNING, SERVER_ERRORS, STEP_FAILURES, TTFT, WAITING, Observation,
+    COUNTERS,
+    GAUGES,
+    GENERATION_TOKENS,
+    HISTOGRAMS,
+    HTTP_RESPONSES,
+    ITL,
+    KV_USAGE,
+    PREEMPTIONS,
+    PROMPT_TOKENS,
+    QUEUE_TIME,
+    REQUESTS,
+    RUNNING,
+    SERVER_ERRORS,
+    STEP_FAILURES,
+    TTFT,
+    WAITING,
+    Observation,
 )
 
 MAX_SCRAPES_PER_POD = 256
@@ -38,7 +53,7 @@ class PodScrape:
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> cumulative
     sums: dict[str, float] = field(default_factory=dict)  # histogram -> sum of observations
 
-    def went_down_since(self, prev: "PodScrape") -> bool:
+    def went_down_since(self, prev: PodScrape) -> bool:
         """A restart: some cumulative value is lower than (or missing from) what `prev` read."""
         pairs = [(self.counters, prev.counters), (self.sums, prev.sums)]
         pairs += [(self.buckets.get(name, {}), b) for name, b in prev.buckets.items()]

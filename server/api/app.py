@@ -22,8 +22,15 @@ from iterserve.server.api import admin
 from iterserve.server.api import tokenize as tokenizing
 from iterserve.server.api.body_limit import BodyLimit
 from iterserve.server.api.errors import APIError, install_error_handlers
-from iterserve.server.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, KnobsPatch,
-                                           TokenizeCompletionRequest, openapi_body, parse_body)
+from iterserve.server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    KnobsPatch,
+    TokenizeCompletionRequest,
+    openapi_body,
+    parse_body,
+)
 from iterserve.server.api.response_counter import ResponseCounter
 from iterserve.server.api.responses import chat_body, completion_body, stream_events
 from iterserve.server.api.serving import ServerState, collect, prepare_in_pool, start

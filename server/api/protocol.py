@@ -13,11 +13,20 @@ Bodies are parsed by `parse_body`, off the event loop, rather than by FastAPI on
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, TypeVar, Union
+from typing import Annotated, Literal, TypeVar
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 def _number(value):
@@ -139,7 +148,7 @@ def _prompt_count(value):
 
 
 class CompletionRequest(_Common):
-    prompt: Annotated[Union[Str, TokenIds, list[Str], list[TokenIds]], BeforeValidator(_prompt_count)]
+    prompt: Annotated[Str | TokenIds | list[Str] | list[TokenIds], BeforeValidator(_prompt_count)]
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = Field(default=False, description="only false is supported")
 

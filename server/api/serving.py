@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from iterserve.server.api.errors import APIError, from_invalid_request
 from iterserve.server.api.limits import ServerLimits
 from iterserve.server.api.output_stream import merged_outputs
-from iterserve.server.api.protocol import (MAX_CHOICES, SEED_MAX, ChatCompletionRequest, CompletionRequest,
-                                           parse_body)
+from iterserve.server.api.protocol import MAX_CHOICES, SEED_MAX, ChatCompletionRequest, CompletionRequest, parse_body
 from iterserve.server.api.tool_calls import ToolPlan, plan_tools, template_messages, template_tools
 from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput

@@ -9,8 +9,7 @@ import json
 from importlib import metadata
 
 from iterserve.server.api.errors import APIError
-from iterserve.server.api.protocol import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
-                                           parse_body)
+from iterserve.server.api.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse_body
 from iterserve.server.api.serving import ServerState, check_model, render_chat
 
 

@@ -59,7 +59,7 @@ class RequestRecord:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "RequestRecord":
+    def from_json(cls, d: dict) -> RequestRecord:
         return cls(**d)
 
 

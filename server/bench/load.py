@@ -31,8 +31,15 @@ from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
-from iterserve.server.bench.client import (BenchError, RequestRecord, Target, fetch_models, probe_target,
-                                           run_clock, stream_request)
+from iterserve.server.bench.client import (
+    BenchError,
+    RequestRecord,
+    Target,
+    fetch_models,
+    probe_target,
+    run_clock,
+    stream_request,
+)
 from iterserve.server.bench.metrics_scraper import MetricsScraper, knob_values, summarize_scrapes
 from iterserve.server.bench.result import BenchResult, RunResult
 from iterserve.server.bench.workload import RequestSpec, WorkloadSpec, generate_requests

@@ -55,7 +55,7 @@ class QueueChannel:
         self._outbox, self._inbox = outbox, inbox
 
     @classmethod
-    def pair(cls) -> tuple["QueueChannel", "QueueChannel"]:
+    def pair(cls) -> tuple[QueueChannel, QueueChannel]:
         """Two connected ends: what one sends, the other receives."""
         a, b = queue.SimpleQueue(), queue.SimpleQueue()
         return cls(a, b), cls(b, a)

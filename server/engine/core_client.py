@@ -31,9 +31,20 @@ from iterserve.server.config import EngineConfig
 from iterserve.server.engine.channels import QueueChannel, ZmqChannel
 from iterserve.server.engine.input_processor import InputProcessor
 from iterserve.server.engine.knobs import SchedulerKnobs, validate_change
-from iterserve.server.engine.messages import (Abort, AddRequest, FromCore, KnobsReply, PrefixCacheReset, Ready,
-                                              ResetPrefixCache, Shutdown, StartupFailed, StepFailed, StepReport,
-                                              UpdateKnobs)
+from iterserve.server.engine.messages import (
+    Abort,
+    AddRequest,
+    FromCore,
+    KnobsReply,
+    PrefixCacheReset,
+    Ready,
+    ResetPrefixCache,
+    Shutdown,
+    StartupFailed,
+    StepFailed,
+    StepReport,
+    UpdateKnobs,
+)
 from iterserve.server.engine.output_processor import OutputProcessor
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams

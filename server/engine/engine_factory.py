@@ -7,10 +7,9 @@ import atexit
 import gc
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
-
-from dataclasses import dataclass
 
 from iterserve.server.config import EngineConfig, parse_memory
 from iterserve.server.engine.core import EngineCore

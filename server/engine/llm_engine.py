@@ -33,7 +33,7 @@ class LLMEngine:
         self._wrap(core, tokenizer, vocab_size)
 
     @classmethod
-    def from_core(cls, core: EngineCore, tokenizer, vocab_size: int) -> "LLMEngine":
+    def from_core(cls, core: EngineCore, tokenizer, vocab_size: int) -> LLMEngine:
         engine = cls.__new__(cls)
         engine._wrap(core, tokenizer, vocab_size)
         return engine

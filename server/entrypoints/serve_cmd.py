@@ -21,10 +21,10 @@ import time
 
 from iterserve.common import wire
 from iterserve.server.api.tool_parsers import PARSERS
-from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints import admin_listener
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from iterserve.server.entrypoints.serve_args import add_server_limit_args, check_secrets, server_limits_from_args
+from iterserve.server.errors import InvalidRequestError
 
 logger = logging.getLogger("iterserve.server")
 
