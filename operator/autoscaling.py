@@ -2,7 +2,8 @@
 target the same service, the scaler's policy and what one tick of the tuner tells it.
 
 With spec.autoscaling the operator owns the replica count: the autoscaler keeps it in status.desiredReplicas
-(the reconcile leaves that field to it), which the reconcile renders into the Deployment (clamped into [minReplicas, maxReplicas], so a range edit holds at
+(the reconcile leaves that field to it), which the reconcile renders into the Deployment (clamped into [minReplicas,
+maxReplicas], so a range edit holds at
 once), and spec.replicas is only where a new service starts. Without it, the replicas are spec.replicas,
 which the CRD's scale subresource lets an HPA or KEDA set.
 """

@@ -112,7 +112,8 @@ def test_container_argv():
 
 
 @pytest.mark.parametrize("container, expected", [
-    ({"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}}, "ports": [{"name": "http", "containerPort": 9}]},
+    ({"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}},
+      "ports": [{"name": "http", "containerPort": 9}]},
      ("/ready", 9)),
     ({"readinessProbe": {"httpGet": {"path": "/r", "port": 7}}}, ("/r", 7)),
     ({"args": ["--port=8123"]}, ("/ready", 8123)),

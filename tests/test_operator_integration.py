@@ -327,7 +327,8 @@ def test_knob_edit_is_live_and_template_edit_rolls_out(kube_cluster, kube_namesp
         sets = replica_sets()
 
         # a knob edit reaches the running pod over HTTP: same pod, no restart, no new ReplicaSet
-        merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"engine": {"maxNumSeqs": 9, "prefillChunkSize": 32}}})
+        merge_patch_llmservice(kube_cluster, ns, "chat",
+                               {"spec": {"engine": {"maxNumSeqs": 9, "prefillChunkSize": 32}}})
         wait_until(lambda: running_knobs(pod) == {"max_num_seqs": 9, "max_num_batched_tokens": 512,
                                                   "prefill_chunk_size": 32}, timeout=TIMEOUT, what="live knobs")
         assert [p["metadata"]["name"] for p in ready_pods()] == [pod["metadata"]["name"]]

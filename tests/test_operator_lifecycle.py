@@ -62,7 +62,8 @@ class GenerationWatch(threading.Thread):
 def test_observed_generation_never_goes_backwards(kube_cluster, kube_namespace, operator):
     kube, ns = admin_kube(kube_cluster), kube_namespace
     apply_llmservice(kube_cluster, ns, "chat", {"drainTimeoutSeconds": 10})
-    wait_for_status(kube, ns, "chat", lambda o: o.get("status", {}).get("observedGeneration") == 1, "generation 1 observed")
+    wait_for_status(kube, ns, "chat", lambda o: o.get("status", {}).get("observedGeneration") == 1,
+                    "generation 1 observed")
     watch = GenerationWatch(kube_cluster, ns, "chat")
     watch.start()
     try:
@@ -70,7 +71,8 @@ def test_observed_generation_never_goes_backwards(kube_cluster, kube_namespace, 
             # each edit changes the pod template: the Deployment rolls, its status events reach the operator
             merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"drainTimeoutSeconds": 11 + i}})
             generation = kube.get_llmservice(ns, "chat")["metadata"]["generation"]
-            wait_for_status(kube, ns, "chat", lambda o, g=generation: o.get("status", {}).get("observedGeneration") == g,
+            wait_for_status(kube, ns, "chat",
+                            lambda o, g=generation: o.get("status", {}).get("observedGeneration") == g,
                             f"generation {generation} observed")
             time.sleep(1)  # the Deployment's status events that follow the edit
         time.sleep(3)  # and a resync pass

@@ -347,7 +347,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _describe(self) -> str:
         s = self.eng.scheduler
-        return f"running={s.running} waiting={s.waiting} knobs={self.knobs} tables={self.eng.block_manager.block_tables}"
+        return (f"running={s.running} waiting={s.waiting} knobs={self.knobs} "
+                f"tables={self.eng.block_manager.block_tables}")
 
     def _step_and_check(self):
         eng = self.eng
@@ -455,7 +456,6 @@ class EngineMachine(RuleBasedStateMachine):
                 assert not waiting_members or max(keys) < min(waiting_members)
 
     def _check_outputs(self, cap: Captured, outputs):
-        out = cap.out
         # every scheduled request whose computed tokens reach its end samples exactly one token
         sampling = {r.request_id for r, n, c, total in zip(cap.scheduled, cap.num_scheduled,
                                                            cap.computed_before, cap.num_tokens_before)

@@ -43,7 +43,8 @@ def knobs(srv) -> dict:
 def test_admin_needs_its_own_token(server):
     url = server.url + "/admin/scheduler"
     assert httpx.get(url).status_code == 401
-    assert httpx.get(url, headers={"Authorization": "Bearer user-key-for-tests"}).status_code == 401  # API key is not enough
+    # the API key is not enough
+    assert httpx.get(url, headers={"Authorization": "Bearer user-key-for-tests"}).status_code == 401
     assert httpx.patch(url, json={"max_num_seqs": 9}).status_code == 401
     assert httpx.patch(url, json={"max_num_seqs": 9}, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert knobs(server)["max_num_seqs"] == 2

@@ -46,7 +46,8 @@ def test_a_shared_1000_token_prefix_is_reported_cached():
         system = {"role": "system", "content": words_prompt(1010, seed=1)}  # about 1,010 tokens
 
         def ask(question: str, **kw):
-            return client.chat.completions.create(model="smol", messages=[system, {"role": "user", "content": question}],
+            return client.chat.completions.create(model="smol",
+                                                  messages=[system, {"role": "user", "content": question}],
                                                   max_tokens=4, temperature=0, **kw)
 
         first = ask("What is the capital of France?")

@@ -1,6 +1,7 @@
 """The tuner against real `iterserve serve` processes under load made by `iterserve bench`'s Python API:
 reading the pods' /metrics directly, then through a real Prometheus. Requests that queue behind
-max_num_seqs=1 breach a TTFT objective set from the machine's own speed (4x one request's latency): the tuner raises max_num_seqs on every pod, live, and the
+max_num_seqs=1 breach a TTFT objective set from the machine's own speed (4x one request's latency): the tuner raises
+max_num_seqs on every pod, live, and the
 measured p99 TTFT falls. A KV cache too small for the batch makes the server preempt: the tuner backs
 max_num_seqs off until it stops. Short intervals and windows keep this to well under three minutes."""
 

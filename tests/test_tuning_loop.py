@@ -104,7 +104,8 @@ def test_ticks_start_every_interval(interval, elapsed, delay):
 
 def test_tuned_of_reads_the_current_condition():
     assert tuned_of({}) is None
-    assert tuned_of({"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady"}]}}) is None
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+    assert tuned_of({"status": {"conditions": [ready]}}) is None
     body = {"status": {"conditions": [{"type": "Tuned", "status": "True", "reason": "SLOMet"}]}}
     assert tuned_of(body) == ("True", "SLOMet")
 

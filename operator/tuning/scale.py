@@ -283,7 +283,8 @@ def scale_out(t: Tick) -> ScaleDecision | None:
                    f"while {rate:.2f} requests/s finished")
     if t.exhausted:
         target = max(target, n + math.ceil(n * (min(f.reading.score, p.max_factor) - 1)))
-        why.append(f"SLO breached with no better knob setting ({f.verdict.reason if not f.knobs_fixed else 'observe mode'}"
+        reason = f.verdict.reason if not f.knobs_fixed else 'observe mode'
+        why.append(f"SLO breached with no better knob setting ({reason}"
                    f"{', rolled back' if f.tuner_action == ROLLBACK else ''}): {f.reading.text}")
     goal, target = min(target, p.max_replicas), min(target, t.step_limit(n))
     reason = "; ".join(why)

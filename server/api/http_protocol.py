@@ -75,7 +75,7 @@ def guarded_h11_protocol(header_timeout: float, stall_timeout: float,
             self.transport.abort()
 
         def _cut(self, reason: str, why: str) -> None:
-            client = "%s:%d" % self.client if self.client else "a client"
+            client = "{}:{}".format(*self.client) if self.client else "a client"
             logger.info("closed the connection of %s: %s", client, why)
             if on_cutoff is not None:
                 on_cutoff(reason)

@@ -2,7 +2,8 @@
 
 Scalars are strict (`"5"` is not an integer, `true` is not a number) and unknown fields are refused:
 a silently ignored parameter is a wrong answer the client cannot see. A field that OpenAI clients send
-by default but this server does not implement (echo) is accepted only at its neutral value. Text must be valid Unicode (a lone surrogate or an undecodable byte is refused, naming the field).
+by default but this server does not implement (echo) is accepted only at its neutral value. Text must be valid Unicode
+(a lone surrogate or an undecodable byte is refused, naming the field).
 Counts that would cost the server work out of proportion to a request (prompts, messages, stop token ids)
 are capped here; range checks that depend on the model or the deployment (max_tokens against
 max_model_len, total prompt tokens) live in `serving`.

@@ -94,7 +94,8 @@ def check_admission(state: ServerState, job: Job) -> None:
     waiting = state.engine.snapshot()["num_waiting"]
     if waiting + len(job.choices) > state.max_queue:
         raise APIError(429, f"the waiting queue is full ({waiting} of {state.max_queue} sequences wait; this "
-                       f"request adds {len(job.choices)}); retry later", code="queue_full", headers={"Retry-After": "1"})
+                       f"request adds {len(job.choices)}); retry later", code="queue_full",
+                       headers={"Retry-After": "1"})
 
 
 async def prepare_in_pool(state: ServerState, body: bytes, content_type: str | None, chat: bool) -> Job:

@@ -280,7 +280,8 @@ class EngineClient:
         s = self._snapshot
         return {"num_running": s.num_running, "num_waiting": max(0, self.num_in_flight - s.num_running),
                 "kv_cache_usage": s.kv_cache_usage,
-                "kv_cache_cached_free": s.kv_cache_cached_free, "kv_waste": s.kv_waste, "num_preemptions": s.num_preemptions,
+                "kv_cache_cached_free": s.kv_cache_cached_free, "kv_waste": s.kv_waste,
+                "num_preemptions": s.num_preemptions,
                 "knobs": self.knobs, "num_knob_changes": s.num_knob_changes, "num_steps": s.num_steps,
                 "num_generated_tokens": s.num_generated_tokens, "num_step_failures": self.num_step_failures}
 

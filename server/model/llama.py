@@ -126,7 +126,8 @@ class LlamaForCausalLM(nn.Module):
         self.local_rope = RotaryEmbedding(cfg, max_positions, local=True) if cfg.local_rope_theta else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            self.decoder_layer(cfg, i, self.layer_rope(i), attention_fn, layer_ops) for i in range(cfg.num_hidden_layers)
+            self.decoder_layer(cfg, i, self.layer_rope(i), attention_fn, layer_ops)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
@@ -164,7 +165,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def pack_linears(self) -> None:
         """Run the LM head and every projection through oneDNN packed weights (CPU fp32, and bf16 where
-        the CPU has it natively; see server/model/cpu_linear.py). Call after the weights are loaded: the packed copies are made now.
+        the CPU has it natively; see server/model/cpu_linear.py). Call after the weights are loaded: the packed copies
+        are made now.
         The LM head may share the embedding's weight, so only the projections give their unpacked
         copies back."""
         self.packed_lm_head = PackedLinear(self._lm_head_weight())
@@ -212,7 +214,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"model: checkpoint is missing tensor {missing[0]!r}")
             value = self.checkpoint_value(name, torch.cat([weights[s] for s in sources]))
             if param.shape != value.shape:
-                raise ValueError(f"model: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+                raise ValueError(f"model: tensor {name!r} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(param.shape)}")
             param.copy_(value)
 
     @classmethod

@@ -189,9 +189,11 @@ def _architecture(d: dict[str, Any]) -> str:
     if not archs and d.get("model_type") in _MODEL_TYPE_TO_ARCH:
         archs = [_MODEL_TYPE_TO_ARCH[d["model_type"]]]
     if not archs:
-        raise ValueError(f"architectures: missing from the model config; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError("architectures: missing from the model config; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architectures: {archs[0]!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"architectures: {archs[0]!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return archs[0]
 
 
@@ -260,7 +262,8 @@ def _sliding_window(d: dict[str, Any], architecture: str) -> int | None:
         return window
     if all(t == "full_attention" for t in layers):
         return None
-    raise ValueError("sliding_window: a sliding window on only some layers (max_window_layers/layer_types) is not supported")
+    raise ValueError("sliding_window: a sliding window on only some layers (max_window_layers/layer_types) "
+                     "is not supported")
 
 
 def _gemma_layer_types(d: dict[str, Any], architecture: str) -> tuple[str, ...] | None:
