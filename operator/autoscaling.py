@@ -63,6 +63,7 @@ def scale_policy(svc: LLMService, tuning: TuningPolicy) -> ScalePolicy:
     """The scaler's policy: the spec's range and windows; it settles over the tuner's window and calls
     headroom what the tuner does."""
     a = svc.autoscaling
+    assert a is not None  # the scaler runs only for services with spec.autoscaling
     return ScalePolicy(min_replicas=a.min_replicas, max_replicas=a.max_replicas,
                        scale_up_window_s=float(a.scale_up_stabilization_seconds),
                        scale_down_window_s=float(a.scale_down_stabilization_seconds),

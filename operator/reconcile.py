@@ -98,14 +98,13 @@ def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
     for _ in range(MAX_CONFLICT_RETRIES):
         current = kube.get("v1", "Secret", svc.namespace, ADMIN_SECRET)
         _check_ours(current, svc)
-        token = admin_token_of(current, svc.name)
+        token = admin_token_of(current, svc.name) or new_admin_token()
         try:
             if current is None:
-                token = new_admin_token()
                 kube.create(build_admin_secret(svc, token))
                 out.changes.append(Change("Secret", ADMIN_SECRET, "created", f"admin token of {svc.name}"))
                 return token
-            patch = admin_secret_patch(current, svc, token or new_admin_token())
+            patch = admin_secret_patch(current, svc, token)
             if patch is None:
                 return token
             kube.merge_patch("v1", "Secret", svc.namespace, ADMIN_SECRET, patch)
@@ -292,7 +291,7 @@ def short_error(error: BaseException) -> str:
     """One line for status and Events: the API server's message rather than the whole response."""
     if isinstance(error, ApiException):
         try:
-            return f"HTTP {error.status}: {json.loads(error.body)['message']}"
+            return f"HTTP {error.status}: {json.loads(error.body or '')['message']}"
         except (TypeError, ValueError, KeyError):
             return f"HTTP {error.status}: {error.reason}"
     return str(error)

@@ -83,8 +83,8 @@ def _env(svc: LLMService) -> list[dict]:
 
 
 def _volumes(svc: LLMService) -> tuple[list[dict], list[dict]]:
-    volumes = [{"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict] = [{"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"}]
     if svc.model.source == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_name, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})

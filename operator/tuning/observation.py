@@ -82,5 +82,5 @@ class MetricsSource(Protocol):
         """The window ending at `now`, `window_s` long but never reaching back to `since` (the last knob
         change) or before; None when nothing could be read."""
 
-    def snapshot(self, pod_urls: Sequence[str], now: float) -> None:
+    def snapshot(self, pod_urls: Sequence[str], now: float) -> object:  # what it returns is not used
         """Called right after a change: a source that keeps its own history records a starting point."""

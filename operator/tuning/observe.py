@@ -55,7 +55,7 @@ class PodScrape:
 
     def went_down_since(self, prev: PodScrape) -> bool:
         """A restart: some cumulative value is lower than (or missing from) what `prev` read."""
-        pairs = [(self.counters, prev.counters), (self.sums, prev.sums)]
+        pairs: list[tuple[dict, dict]] = [(self.counters, prev.counters), (self.sums, prev.sums)]
         pairs += [(self.buckets.get(name, {}), b) for name, b in prev.buckets.items()]
         return any(current.get(key, -1.0) < before for current, earlier in pairs for key, before in earlier.items())
 
@@ -170,7 +170,7 @@ class PodScraper:
         for url in list(self.history):
             if url not in pod_urls:
                 del self.history[url]  # a pod gone (or replaced under a new address) takes its history along
-        errors = []
+        errors: list[str] = []
         if not pod_urls:
             return errors
         with ThreadPoolExecutor(min(self.max_workers, len(pod_urls))) as pool:
@@ -179,6 +179,7 @@ class PodScraper:
             if error is not None:
                 errors.append(f"{url}/metrics: {error}")
             else:
+                assert text is not None  # a scrape without an error has its text
                 self.history.setdefault(url, deque(maxlen=MAX_SCRAPES_PER_POD)).append(parse_scrape(text, now))
         return errors
 

@@ -14,7 +14,7 @@ Bodies are parsed by `parse_body`, off the event loop, rather than by FastAPI on
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import (
@@ -286,7 +286,7 @@ def parse_body(model: type[Body], body: bytes, content_type: str | None) -> Body
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        errors = [{**err, "loc": ("body", *err["loc"])}
+        errors: list[dict[str, Any]] = [{**err, "loc": ("body", *err["loc"])}
                   for err in e.errors(include_url=False, include_input=False, include_context=False)]
         # a union (prompt, stop, content) reports every branch it tried: what is wrong with the value
         # (invalid Unicode, too many items) says more than "should be a list" from a branch that never fit

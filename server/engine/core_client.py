@@ -24,6 +24,7 @@ import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -49,6 +50,10 @@ from iterserve.server.engine.output_processor import OutputProcessor
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # torch and the tokenizer libraries are the core's, not imported here at run time
+    from iterserve.server.engine.core import EngineCore
+    from iterserve.server.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("iterserve.engine")
 
@@ -80,7 +85,9 @@ class EngineClient:
         self.config = config
         self.in_process = in_process
         self.log_level = log_level
-        self.core = None  # the EngineCore itself, in-process only
+        self.core: EngineCore | None = None  # the EngineCore itself, in-process only
+        self.tokenizer: Tokenizer | None = None  # None: a dummy model without tokenizer.json
+        self._channel: QueueChannel | ZmqChannel  # set by start()
         self.step_observers: list[Callable[[StepInfo], None]] = []
         self.num_step_failures = 0
         self.cpu_kernels: dict[str, bool] = {}  # from the core's Ready: C++ CPU kernel -> serving
@@ -114,7 +121,7 @@ class EngineClient:
         self._receiver = threading.Thread(target=self._receive_loop, name="iterserve-engine-client", daemon=True)
         self._receiver.start()
 
-    def _start_thread_core(self) -> tuple[Ready, object]:
+    def _start_thread_core(self) -> tuple[Ready, Tokenizer | None]:
         from iterserve.server.engine.core_proc import EngineCoreLoop, ready_message
         from iterserve.server.engine.engine_factory import build_engine_core
 
@@ -126,7 +133,7 @@ class EngineClient:
         self._core_thread.start()
         return ready_message(built, loop.snapshot()), built.tokenizer
 
-    def _start_process_core(self) -> tuple[Ready, object]:
+    def _start_process_core(self) -> tuple[Ready, Tokenizer | None]:
         from iterserve.server.engine.core_proc import raise_startup_failure
         from iterserve.server.engine.engine_factory import load_config_tokenizer
 

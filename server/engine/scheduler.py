@@ -243,9 +243,10 @@ class Scheduler:
             bisect.insort(self.waiting, req, key=_sort_key)
         aborted = []
         while self._abort_ids:
-            req = self._live.get(self._abort_ids.popleft())
-            if req is None:
+            live = self._live.get(self._abort_ids.popleft())
+            if live is None:
                 continue  # already finished, or never known
+            req = live
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             else:
