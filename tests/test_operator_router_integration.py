@@ -13,8 +13,17 @@ import json
 from iterserve.operator.kube import path_of
 from tests.kubelet_status import PodState, pod_status
 from tests.operator_support import (
-    TIMEOUT, admin_kube, apply_llmservice, children_of, condition, events_for, merge_patch_llmservice, operator,
-    operator_rbac, wait_for_event, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    apply_llmservice,
+    children_of,
+    condition,
+    events_for,
+    merge_patch_llmservice,
+    operator,
+    operator_rbac,
+    wait_for_event,
+    wait_for_status,
 )
 from tests.waiting import wait_until
 
