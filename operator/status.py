@@ -1,8 +1,9 @@
 """The status the operator writes on an LLMService, computed from what it observed (pure).
 
 The operator owns observedGeneration, replicas, readyReplicas, updatedReplicas, selector, knobs and
-the Ready (the server pods and, with spec.router, the router's), Progressing and Degraded conditions, and desiredReplicas without spec.autoscaling (with it,
-the autoscaler owns desiredReplicas, lastScale and the Autoscaling condition: operator/scaling_loop.py). The tuner owns ttftP99Ms, itlP99Ms, kvCacheUsage,
+the Ready (the server pods and, with spec.router, the router's), Progressing and Degraded conditions,
+and desiredReplicas without spec.autoscaling (with it, the autoscaler owns desiredReplicas, lastScale
+and the Autoscaling condition: operator/scaling_loop.py). The tuner owns ttftP99Ms, itlP99Ms, kvCacheUsage,
 lastDecision and the Tuned condition; the operator only sets Tuned while tuning is off, or to Unknown
 before the tuner said anything.
 """
