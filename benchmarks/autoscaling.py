@@ -20,7 +20,8 @@ pods' worth (20, 40, 40, 30 ticks), starting from knobs far from tuned (max_num_
 - knobs + replicas: the tuner and the autoscaler, minReplicas 1, maxReplicas 2F, default windows;
 - HPA: desired = ceil(pods x mean waiting per pod / threshold) with the HPA's 10% tolerance, its default
   scale-up limit, and the shipped example's scale-down (300 s stabilization, one pod a minute), on the
-  tuner's knobs (the tuner in auto mode beside it, as a user of both would run them); best threshold: the cheapest that reaches 99% of
+  tuner's knobs (the tuner in auto mode beside it, as a user of both would run them); best threshold: the cheapest that
+  reaches 99% of
   windows within the SLO after convergence, else the one with the most windows within it.
 Reported per fleet size (medians over seeds): windows within the SLO (all; after convergence, leaving
 out `SETTLE_TICKS` ticks after each step of the load) and replica-seconds.
@@ -33,7 +34,7 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

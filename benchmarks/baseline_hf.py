@@ -60,11 +60,11 @@ def run_hf_sequential(workload, model_dir, num_threads: int = 2, limit: int | No
 
 def main() -> None:
     if __package__:
-        from .prepare_model import prepare_hf_model
         from .offline_workload import make_workload
+        from .prepare_model import prepare_hf_model
     else:  # run as a file: its folder is on sys.path
-        from prepare_model import prepare_hf_model
         from offline_workload import make_workload
+        from prepare_model import prepare_hf_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)

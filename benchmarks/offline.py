@@ -26,9 +26,9 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable
 import torch
 
 from benchmarks.baseline_hf import run_hf_sequential
+from benchmarks.offline_workload import make_workload
 from benchmarks.prepare_model import prepare_hf_model
 from benchmarks.scheduler_overhead import measure_overhead
-from benchmarks.offline_workload import make_workload
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.entrypoints.llm import LLM
@@ -129,7 +129,8 @@ def main() -> None:
         steps = results[f"static@{n}"]["steps"] / results[f"continuous@{n}"]["steps"]
         print(f"  continuous / static @ {n} seqs:   {ratio:.2f}x  (>= 2x; static needs {steps:.2f}x the steps)")
     if "hf-sequential" in results:
-        print(f"  iterserve / HF one at a time:    {best / results['hf-sequential']['generated_tok_per_s']:.1f}x  (>= 15x)")
+        ratio = best / results['hf-sequential']['generated_tok_per_s']
+        print(f"  iterserve / HF one at a time:    {ratio:.1f}x  (>= 15x)")
     print(f"  scheduler + input prep per step @ 256 running: {overhead['schedule_and_prepare_ms_median']:.3f} ms "
           f"(<= 1 ms); whole engine step without a model: {overhead['engine_step_ms_median']:.3f} ms")
     print("  KV waste by block size (same schedule): "

@@ -8,7 +8,8 @@ vLLM's configurations: its defaults (compiled, max_model_len from the model: 819
 max_model_len matched to the workload (the longest prompt + output rounded up to a power of two), and
 both. `--dtype` applies to both engines: `auto` (the default) is each engine's own choice, which on a
 CPU with native bf16 (AVX-512 BF16, AMX) is bf16 for both, and vLLM picks it even for a float32
-checkpoint; `float32` compares them at full precision. The dtype each side ran is printed. Each round runs iterserve, then every vLLM configuration, one after the other (A B C ... A B C),
+checkpoint; `float32` compares them at full precision. The dtype each side ran is printed. Each round runs iterserve,
+then every vLLM configuration, one after the other (A B C ... A B C),
 and the figures quoted are medians over the rounds. The ratio divides iterserve by vLLM's BEST
 configuration. Start-up is excluded on both sides, and both do one short warm-up generate first.
 
@@ -118,8 +119,8 @@ def _tail(path: Path, lines: int = 40) -> str:
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*`, run as a file
     from benchmarks.offline import run_iterserve
-    from benchmarks.prepare_model import prepare_hf_model
     from benchmarks.offline_workload import WORKLOADS, make_workload
+    from benchmarks.prepare_model import prepare_hf_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--install", action="store_true", help="create the vLLM venv if missing, then measure")

@@ -105,7 +105,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="both servers' --dtype; auto: each engine's own default (bf16 on CPUs with native bf16)")
-    ap.add_argument("--vllm-configs", default=",".join(VLLM_SERVED_CONFIGS), help=f"comma list of {','.join(VLLM_SERVED_CONFIGS)}; "
+    ap.add_argument("--vllm-configs", default=",".join(VLLM_SERVED_CONFIGS),
+                    help=f"comma list of {','.join(VLLM_SERVED_CONFIGS)}; "
                                                               "empty: no vLLM")
     ap.add_argument("--out", help="write every run's summaries to this JSON file")
     args = ap.parse_args()
@@ -146,7 +147,8 @@ def main() -> None:
     for shape in WORKLOADS:
         on, off = med["iterserve on", shape], med["iterserve off", shape]
         print(f"  {shape}: caching on vs off: TTFT p50 {off['TTFT p50'] / on['TTFT p50']:.2f}x lower, "
-              f"p99 {off['TTFT p99'] / on['TTFT p99']:.2f}x lower, out tok/s {on['out tok/s'] / off['out tok/s']:.2f}x; "
+              f"p99 {off['TTFT p99'] / on['TTFT p99']:.2f}x lower, "
+              f"out tok/s {on['out tok/s'] / off['out tok/s']:.2f}x; "
               f"hit rate {on['hit rate']:.2f} of at most {best_rates[shape]:.2f}")
         if best is not None:
             theirs = med[best, shape]

@@ -29,8 +29,7 @@ from dataclasses import dataclass, replace
 import httpx
 import numpy as np
 
-from iterserve.server.bench.client import (RequestRecord, Target, fetch_models, probe_target, run_clock,
-                                           stream_request)
+from iterserve.server.bench.client import RequestRecord, Target, fetch_models, probe_target, run_clock, stream_request
 from iterserve.server.bench.report import goodput, itls, meets_slo
 from iterserve.server.bench.workload import LengthDist, RequestSpec, WorkloadSpec, generate_requests
 

@@ -204,7 +204,8 @@ def machine_speed(result: dict) -> tuple[str, list[str]]:
     (by name, with how much slower or faster) where it lay more than DRIFT from the calibration's. Runs
     from before this was measured have none and are left out."""
     calibrated = result["calibration"]["itl_median_ms"]
-    rows = [(f"{g['max_num_seqs']}/{g['prefill_chunk_size']}", g) for g in result["grid"]] + [("tuned", result["tuned"])]
+    rows = [(f"{g['max_num_seqs']}/{g['prefill_chunk_size']}", g) for g in result["grid"]]
+    rows.append(("tuned", result["tuned"]))
     parts, drifted = [], []
     for name, row in rows:
         runs = [r for r in row.get("repeats") or [row] if r.get("unloaded_itl_ms") is not None]

@@ -24,11 +24,11 @@ from pathlib import Path
 import httpx
 
 from benchmarks.tuning_load import StepLoad, find_target, send_load
-from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.decide import HOLD
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import RUNNING, WAITING
 from iterserve.operator.tuning.observe import PodScraper, parse_scrape
+from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.tuner import Tuner
 from iterserve.server.bench.client import RequestRecord, stream_request

@@ -11,7 +11,16 @@ import secrets
 import pytest
 
 from e2e.support import (
-    OPERATOR_NS, READY_TIMEOUT, ROOT, condition, get, install_client_script, kubectl, pods, skip_reason, wait_until,
+    OPERATOR_NS,
+    READY_TIMEOUT,
+    ROOT,
+    condition,
+    get,
+    install_client_script,
+    kubectl,
+    pods,
+    skip_reason,
+    wait_until,
 )
 
 REASON = skip_reason()

@@ -11,8 +11,9 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests import waiting
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBECONFIG = os.environ.get("ITERSERVE_E2E_KUBECONFIG")
@@ -61,13 +62,11 @@ def get(kind: str, name: str, ns: str | None = None) -> dict | None:
 
 
 def wait_until(predicate, what: str, timeout: float = STEP_TIMEOUT, interval: float = 2.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        if result := predicate():
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    """tests/waiting.py's wait at the cluster's pace; giving up fails the test as an assertion."""
+    try:
+        return waiting.wait_until(predicate, timeout=timeout, what=what, interval=interval)
+    except TimeoutError as e:
+        raise AssertionError(str(e)) from None
 
 
 def condition(obj: dict | None, type_: str) -> dict:

@@ -8,8 +8,18 @@ import base64
 import httpx
 
 from e2e.support import (
-    MODEL, SPEC, ClientPod, PortForward, apply_service, get, kubectl, ready_pods, restarts, service_url,
-    wait_ready, wait_until,
+    MODEL,
+    SPEC,
+    ClientPod,
+    PortForward,
+    apply_service,
+    get,
+    kubectl,
+    ready_pods,
+    restarts,
+    service_url,
+    wait_ready,
+    wait_until,
 )
 
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 
 from e2e.support import (
-    OPERATOR_NS, READY_TIMEOUT, SERVER_IMAGE, apply_service, condition, get, kubectl, pods, wait_until,
+    OPERATOR_NS,
+    READY_TIMEOUT,
+    SERVER_IMAGE,
+    apply_service,
+    condition,
+    get,
+    kubectl,
+    pods,
+    wait_until,
 )
 
 SA = f"system:serviceaccount:{OPERATOR_NS}:iterserve-operator"
@@ -45,7 +53,8 @@ def test_operator_runs_in_cluster_as_its_service_account(namespace):
     deployment = wait_until(lambda: get("deployment", "chat", namespace), "the operator to create the Deployment")
     assert deployment["metadata"]["ownerReferences"][0]["kind"] == "LLMService"
     # written by the operator's own client (its server-side apply field manager)
-    shown = json.loads(kubectl("get", "deployment", "chat", "-n", namespace, "-o", "json", "--show-managed-fields").stdout)
+    shown = json.loads(kubectl("get", "deployment", "chat", "-n", namespace, "-o", "json",
+                               "--show-managed-fields").stdout)
     managers = {f["manager"] for f in shown["metadata"].get("managedFields") or ()}
     assert "iterserve-operator" in managers, json.dumps(deployment["metadata"])[:500]
 

@@ -4,7 +4,16 @@ deleted in the middle of its streams, the tuner changing knobs under load. Nothi
 from __future__ import annotations
 
 from e2e.support import (
-    READY_TIMEOUT, SPEC, ClientPod, apply_service, get, kubectl, ready_pods, restarts, service_url, wait_ready,
+    READY_TIMEOUT,
+    SPEC,
+    ClientPod,
+    apply_service,
+    get,
+    kubectl,
+    ready_pods,
+    restarts,
+    service_url,
+    wait_ready,
     wait_until,
 )
 

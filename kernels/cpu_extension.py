@@ -79,6 +79,8 @@ def _import_library(name: str, path: Path) -> ModuleType:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not a loadable extension module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -192,3 +194,8 @@ class CppExtension:
                     self.failed = True
                     logger.warning("%s unavailable, using the torch path: %s", self.what, e)
         return self.module is not None
+
+    def loaded(self) -> ModuleType:
+        """The built module, for callers that checked available() first."""
+        assert self.module is not None, f"{self.name} used before available() said it serves"
+        return self.module

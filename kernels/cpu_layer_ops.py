@@ -24,9 +24,9 @@ kill switch, read on every call so it can be flipped in-process.
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from iterserve.kernels.cpu_extension import CppExtension
 from iterserve.kernels.layer_ops import TorchLayerOps
@@ -67,7 +67,7 @@ class CpuLayerOps:
         if (not _serves(x) or (residual is not None and residual.dtype != x.dtype)
                 or norm.weight.dtype not in (torch.float32, x.dtype)):
             return TorchLayerOps.add_rms_norm(norm, x, residual)
-        return _extension.module.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return _extension.loaded().add_rms_norm(x, residual, norm.weight, norm.eps)
 
     @staticmethod
     def rotary(rope: RotaryEmbedding, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
@@ -75,11 +75,11 @@ class CpuLayerOps:
         when qk's dtype is and the cos/sin caches are fp32."""
         if not _serves(qk) or rope.cos_cache.dtype != torch.float32 or rope.sin_cache.dtype != torch.float32:
             return TorchLayerOps.rotary(rope, positions, qk)
-        _extension.module.rotary(qk, positions, rope.cos_cache, rope.sin_cache)
+        _extension.loaded().rotary(qk, positions, rope.cos_cache, rope.sin_cache)
         return qk
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         if not _serves(gate_up):
             return TorchLayerOps.silu_mul(gate_up)
-        return _extension.module.silu_and_mul(gate_up)
+        return _extension.loaded().silu_and_mul(gate_up)

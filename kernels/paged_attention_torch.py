@@ -88,6 +88,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             km = k[mq.start : mq.start + mq.num_query]
             vm = v[mq.start : mq.start + mq.num_query]
         else:
+            assert mq.mask is not None  # a chunk after earlier context always has its mask
             ctx = mq.mask.shape[-1]
             km = k_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
             vm = v_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
@@ -124,6 +125,7 @@ def _masked_paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, 
         if mq.context_blocks is None:
             km, vm = k[mq.start : mq.start + mq.num_query], v[mq.start : mq.start + mq.num_query]
         else:
+            assert mq.mask is not None  # a chunk after earlier context always has its mask
             ctx = mq.mask.shape[-1]
             km = k_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
             vm = v_blocks.index_select(0, mq.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]

@@ -2,7 +2,8 @@
 target the same service, the scaler's policy and what one tick of the tuner tells it.
 
 With spec.autoscaling the operator owns the replica count: the autoscaler keeps it in status.desiredReplicas
-(the reconcile leaves that field to it), which the reconcile renders into the Deployment (clamped into [minReplicas, maxReplicas], so a range edit holds at
+(the reconcile leaves that field to it), which the reconcile renders into the Deployment (clamped into [minReplicas,
+maxReplicas], so a range edit holds at
 once), and spec.replicas is only where a new service starts. Without it, the replicas are spec.replicas,
 which the CRD's scale subresource lets an HPA or KEDA set.
 """
@@ -62,6 +63,7 @@ def scale_policy(svc: LLMService, tuning: TuningPolicy) -> ScalePolicy:
     """The scaler's policy: the spec's range and windows; it settles over the tuner's window and calls
     headroom what the tuner does."""
     a = svc.autoscaling
+    assert a is not None  # the scaler runs only for services with spec.autoscaling
     return ScalePolicy(min_replicas=a.min_replicas, max_replicas=a.max_replicas,
                        scale_up_window_s=float(a.scale_up_stabilization_seconds),
                        scale_down_window_s=float(a.scale_down_stabilization_seconds),

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("iterserve.operator")
 STOPPED = object()  # what `unless_stopped` returns when the stop came first

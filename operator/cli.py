@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
     from iterserve.operator import handlers  # noqa: F401  (registers the handlers)
     from iterserve.operator.builders.networkpolicy import OperatorPeer, parse_labels
-    from iterserve.operator.health import Health, serve as serve_health
+    from iterserve.operator.health import Health
+    from iterserve.operator.health import serve as serve_health
     from iterserve.operator.leader import default_identity, run_as_leader, timings
     from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
 
+from iterserve.operator.autoscaling import with_replicas_in_force
 from iterserve.operator.builders.configmap import knobs_from_configmap
 from iterserve.operator.builders.labels import knobs_configmap_name, router_name
 from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.conditions import DEGRADED, TUNED, get_condition, now_iso, set_condition, transitions
-from iterserve.operator.autoscaling import with_replicas_in_force
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.reconcile import Change, reconcile, short_error
@@ -101,10 +101,11 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: Operat
         result = Result()
         # the object as stored now, read under the lock: kopf's copy (a timer's especially) can be older
         # than the spec another pass has just applied, and reconciling it would roll that spec back
-        body = _current(kube, namespace, name, meta.get("uid"))
-        if body is None:
+        current = _current(kube, namespace, name, meta.get("uid"))
+        if current is None:
             result.gone = True
             return result
+        body = current
         generation = int(body["metadata"].get("generation") or 0)
         try:
             svc = with_replicas_in_force(parse_llmservice(body), body.get("status"))

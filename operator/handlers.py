@@ -115,7 +115,8 @@ def reconcile_llmservice(body, memo: kopf.Memo, **_) -> None:
 
 # Async, with the pass in a thread it does not wait for once the object is deleted (operator/background.py):
 # a pass hung on an unresponsive pod must not hold the deletion.
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+# kopf's TimerFn protocol lists every keyword kopf passes; this handler takes the ones it uses and **_
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)  # type: ignore[arg-type]
 async def repair_drift(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
     result = await background.unless_stopped(stopped, controller.handle, memo.kube, body,
                                              pod_timeout=POD_TIMEOUT_SECONDS, operator=memo.operator_peer)

@@ -21,16 +21,24 @@ from kubernetes.client.exceptions import ApiException
 from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap, spec_knobs_recorded
 from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION, build_deployment
 from iterserve.operator.builders.labels import (
-    ADMIN_PORT_NAME, HTTP_PORT, knobs_configmap_name, pods_service_name, router_name, selector_string,
+    ADMIN_PORT_NAME,
+    HTTP_PORT,
+    knobs_configmap_name,
+    pods_service_name,
+    router_name,
+    selector_string,
 )
 from iterserve.operator.builders.networkpolicy import API_VERSION as NETWORK_POLICY_API
-from iterserve.operator.builders.networkpolicy import (
-    OperatorPeer, build_network_policy, build_router_network_policy,
-)
+from iterserve.operator.builders.networkpolicy import OperatorPeer, build_network_policy, build_router_network_policy
 from iterserve.operator.builders.pdb import build_pdb
 from iterserve.operator.builders.router import build_pods_service, build_router_deployment
 from iterserve.operator.builders.secret import (
-    ADMIN_SECRET, admin_secret_patch, admin_token_of, build_admin_secret, new_admin_token, token_digest,
+    ADMIN_SECRET,
+    admin_secret_patch,
+    admin_token_of,
+    build_admin_secret,
+    new_admin_token,
+    token_digest,
 )
 from iterserve.operator.builders.service import build_service
 from iterserve.operator.drift import differences, foreign_owner
@@ -90,14 +98,13 @@ def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
     for _ in range(MAX_CONFLICT_RETRIES):
         current = kube.get("v1", "Secret", svc.namespace, ADMIN_SECRET)
         _check_ours(current, svc)
-        token = admin_token_of(current, svc.name)
+        token = admin_token_of(current, svc.name) or new_admin_token()
         try:
             if current is None:
-                token = new_admin_token()
                 kube.create(build_admin_secret(svc, token))
                 out.changes.append(Change("Secret", ADMIN_SECRET, "created", f"admin token of {svc.name}"))
                 return token
-            patch = admin_secret_patch(current, svc, token or new_admin_token())
+            patch = admin_secret_patch(current, svc, token)
             if patch is None:
                 return token
             kube.merge_patch("v1", "Secret", svc.namespace, ADMIN_SECRET, patch)
@@ -284,7 +291,7 @@ def short_error(error: BaseException) -> str:
     """One line for status and Events: the API server's message rather than the whole response."""
     if isinstance(error, ApiException):
         try:
-            return f"HTTP {error.status}: {json.loads(error.body)['message']}"
+            return f"HTTP {error.status}: {json.loads(error.body or '')['message']}"
         except (TypeError, ValueError, KeyError):
             return f"HTTP {error.status}: {error.reason}"
     return str(error)

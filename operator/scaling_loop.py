@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from iterserve.operator import controller
 from iterserve.operator.autoscaling import HPA_API, autoscaled_replicas, conflicting_hpas, fleet_of, scale_policy
@@ -35,7 +36,7 @@ def scale_event(decision: ScaleDecision) -> dict | None:
 
 
 def status_fields(decision: ScaleDecision, before: int, now: float) -> dict:
-    fields = {"desiredReplicas": decision.replicas}
+    fields: dict[str, Any] = {"desiredReplicas": decision.replicas}
     if decision.action != STAY:
         fields["lastScale"] = {"from": before, "to": decision.replicas, "reason": decision.reason,
                                "time": rfc3339(now)}

@@ -355,6 +355,7 @@ def _check_cross_field(r: _Reader, s: LLMService) -> None:
 
 def _check_autoscaling(r: _Reader, s: LLMService) -> None:
     a = s.autoscaling
+    assert a is not None  # checked only when given
     if a.min_replicas > a.max_replicas:
         r.error("spec.autoscaling.minReplicas", f"must not exceed maxReplicas ({a.max_replicas}), got {a.min_replicas}")
     if s.tuning.mode not in ("observe", "auto"):

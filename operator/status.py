@@ -1,8 +1,9 @@
 """The status the operator writes on an LLMService, computed from what it observed (pure).
 
 The operator owns observedGeneration, replicas, readyReplicas, updatedReplicas, selector, knobs and
-the Ready (the server pods and, with spec.router, the router's), Progressing and Degraded conditions, and desiredReplicas without spec.autoscaling (with it,
-the autoscaler owns desiredReplicas, lastScale and the Autoscaling condition: operator/scaling_loop.py). The tuner owns ttftP99Ms, itlP99Ms, kvCacheUsage,
+the Ready (the server pods and, with spec.router, the router's), Progressing and Degraded conditions,
+and desiredReplicas without spec.autoscaling (with it, the autoscaler owns desiredReplicas, lastScale
+and the Autoscaling condition: operator/scaling_loop.py). The tuner owns ttftP99Ms, itlP99Ms, kvCacheUsage,
 lastDecision and the Tuned condition; the operator only sets Tuned while tuning is off, or to Unknown
 before the tuner said anything.
 """
@@ -12,9 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from iterserve.operator.builders.labels import selector_string
-from iterserve.operator.conditions import (
-    AUTOSCALING, DEGRADED, PROGRESSING, READY, TUNED, get_condition, set_condition,
-)
+from iterserve.operator.conditions import AUTOSCALING, DEGRADED, PROGRESSING, READY, TUNED, get_condition, set_condition
 from iterserve.operator.spec import camel
 
 TUNING_OFF_MESSAGE = "spec.tuning.mode is off: knobs stay at spec.engine"

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kubernetes.client.exceptions import ApiException
 
@@ -33,8 +33,8 @@ from iterserve.operator.builders.secret import ADMIN_SECRET, admin_token_of
 from iterserve.operator.conditions import TUNED, get_condition
 from iterserve.operator.controller import object_lock, write_tuning_status
 from iterserve.operator.kube import Kube
-from iterserve.operator.scaling_loop import Autoscaler
 from iterserve.operator.reconcile import pod_admin_url, pod_url, ready_pods, set_tuned_knobs, short_error
+from iterserve.operator.scaling_loop import Autoscaler
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import TUNING_OFF_MESSAGE
 from iterserve.operator.tuning.decide import HOLD

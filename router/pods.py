@@ -68,7 +68,7 @@ class Discovery:
         if self.endpoints:
             return self.endpoints
         infos = await asyncio.get_running_loop().getaddrinfo(self.dns_name, self.port, type=socket.SOCK_STREAM)
-        hosts = sorted({info[4][0] for info in infos})
+        hosts = sorted({str(info[4][0]) for info in infos})
         return [f"{self.scheme}://[{h}]:{self.port}" if ":" in h else f"{self.scheme}://{h}:{self.port}"
                 for h in hosts]
 
@@ -105,6 +105,7 @@ class PodSet:
         await asyncio.gather(*(self._scrape(p) for p in list(self.pods.values())))
 
     async def _scrape(self, pod: Pod) -> None:
+        assert self._session is not None  # made by start() before the first refresh
         try:
             async with self._session.get(pod.url + "/metrics") as r:
                 status, text = r.status, await r.text()

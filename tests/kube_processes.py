@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
-_live: set["DaemonProcess"] = set()
+_live: set[DaemonProcess] = set()
 _live_lock = threading.Lock()
 
 
@@ -30,7 +30,7 @@ class DaemonProcess:
 
     @classmethod
     def start(cls, name: str, argv: list[str], log_path: Path, *, env: dict | None = None,
-              cwd: Path | None = None) -> "DaemonProcess":
+              cwd: Path | None = None) -> DaemonProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

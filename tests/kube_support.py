@@ -195,7 +195,8 @@ def _start_apiserver(cluster: KubeCluster, etcd_url: str, port: int, pki: dict[s
 
 def _wait_ready(cluster: KubeCluster, admin_token: str, ca: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), headers={"Authorization": f"Bearer {admin_token}"}, timeout=2) as http:
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)),
+                      headers={"Authorization": f"Bearer {admin_token}"}, timeout=2) as http:
         while time.monotonic() < deadline:
             for process in cluster.processes:
                 process.check_running()

@@ -29,9 +29,16 @@ import httpx
 import kubernetes
 
 from tests.kube_processes import DaemonProcess
-from tests.kubelet_podspec import ContainerConfigError, container_argv, container_ports, decode_secret_data, \
-    main_container, readiness_target, resolve_env
 from tests.kube_support import KubeCluster
+from tests.kubelet_podspec import (
+    ContainerConfigError,
+    container_argv,
+    container_ports,
+    decode_secret_data,
+    main_container,
+    readiness_target,
+    resolve_env,
+)
 from tests.kubelet_status import PodState, container_exit_code, node_status, pod_status
 
 _addresses = itertools.count()
@@ -83,7 +90,7 @@ class LocalKubelet:
         self._stopped = threading.Event()
         self._watcher = threading.Thread(target=self._watch_loop, name="kubelet-watch", daemon=True)
 
-    def start(self) -> "LocalKubelet":
+    def start(self) -> LocalKubelet:
         node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node_name}}
         try:
             self.core.create_node(node)
@@ -106,7 +113,7 @@ class LocalKubelet:
             runner.join()
         self.client.close()
 
-    def __enter__(self) -> "LocalKubelet":
+    def __enter__(self) -> LocalKubelet:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -184,7 +191,7 @@ class LocalKubelet:
             else:
                 runner.update(pod)
 
-    def _forget(self, runner: "_PodRunner") -> None:
+    def _forget(self, runner: _PodRunner) -> None:
         with self._lock:
             if self._runners.get((runner.namespace, runner.name)) is runner:
                 del self._runners[(runner.namespace, runner.name)]

@@ -90,7 +90,7 @@ class InProcessServer:
                                           drain_timeout=drain_timeout, log_level="warning")
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "InProcessServer":
+    def __enter__(self) -> InProcessServer:
         self._thread.start()
         wait_ready(self.url)
         return self

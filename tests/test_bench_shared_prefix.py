@@ -86,7 +86,8 @@ def test_bad_parameters_are_refused_by_name(field):
 def test_cli_flags_reach_the_workload():
     parser = argparse.ArgumentParser()
     bench_cli.register(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--url", "http://127.0.0.1:1", "--out", "o", "--workload", "multi-turn", "--concurrency", "2",
+    args = parser.parse_args(["bench", "--url", "http://127.0.0.1:1", "--out", "o", "--workload", "multi-turn",
+                              "--concurrency", "2",
                               "--prefix-len", "300", "--num-prefixes", "6", "--num-turns", "5"])
     w = bench_cli.config_from_args(args).workload
     assert (w.shape, w.prefix_len, w.num_prefixes, w.num_turns) == ("multi-turn", 300, 6, 5)

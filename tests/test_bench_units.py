@@ -14,11 +14,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from iterserve.server.bench import compare, report
 from iterserve.server.bench.client import RequestRecord
 from iterserve.server.bench.load import BenchConfig
-from iterserve.server.bench.metrics_scraper import (histogram_buckets, histogram_delta, histogram_quantile,
-                                                    parse_metrics, summarize_scrapes)
+from iterserve.server.bench.metrics_scraper import (
+    histogram_buckets,
+    histogram_delta,
+    histogram_quantile,
+    parse_metrics,
+    summarize_scrapes,
+)
 from iterserve.server.bench.result import BenchResult, RunResult
-from iterserve.server.bench.workload import (LengthDist, WorkloadError, WorkloadSpec, generate_requests,
-                                             parse_length)
+from iterserve.server.bench.workload import LengthDist, WorkloadError, WorkloadSpec, generate_requests, parse_length
 from iterserve.server.entrypoints.cli import main as iterserve_main
 
 # -- workload ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 
 from iterserve.kernels import cpu_extension
 from iterserve.kernels.cpu_extension import prebuilt_path, supported_marches
-from tests.server_support import add_tiny_tokenizer, metric_value, start_subprocess
+from tests.server_support import metric_value, start_subprocess
 
 V3_FLAGS = {"sse4_2", "ssse3", "popcnt", "cx16", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe",
             "xsave"}
@@ -93,11 +93,6 @@ def test_nothing_prebuilt_and_no_compiler_falls_back_to_torch_saying_so(tmp_path
     result = run_without_compiler(tmp_path, tmp_path / "empty")
     assert "available False False" in result.stdout
     assert "nothing prebuilt" in result.stderr and "unavailable, using the torch path" in result.stderr
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_llama, tmp_path_factory):
-    return add_tiny_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("tiny-tok"))
 
 
 def test_server_exports_and_logs_a_kernel_the_torch_path_replaces(tiny_dir):

@@ -14,7 +14,6 @@ from iterserve.kernels.layer_ops import TorchLayerOps
 from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.rope import RotaryEmbedding
-
 from tests.bf16_support import assert_rounded_once_to_bf16
 from tests.test_cpu_layer_ops import _config, _model_steps, _norm, _qkv, _step, kernel  # noqa: F401  (kernel: a fixture)
 

@@ -6,8 +6,8 @@ import pytest
 
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.sampling_params import SamplingParams
-from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints.llm import LLM
+from iterserve.server.errors import InvalidRequestError
 from tests.conftest import make_engine
 
 
@@ -128,8 +128,10 @@ def test_the_stop_token_adds_no_text(tiny_dir):
 def test_abort_frees_blocks_at_next_step_and_reports_once(tiny_llama):
     path, _ = tiny_llama
     engine = make_engine(path)
-    keep = engine.add_request(prompt_token_ids=[3] * 40, sampling_params=SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    gone = engine.add_request(prompt_token_ids=[7] * 40, sampling_params=SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    keep = engine.add_request(prompt_token_ids=[3] * 40,
+                              sampling_params=SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    gone = engine.add_request(prompt_token_ids=[7] * 40,
+                              sampling_params=SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     for _ in range(3):
         engine.step()
     used = engine.block_manager.num_used_blocks
@@ -163,7 +165,8 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(tiny_llama):
     path, _ = tiny_llama
     llm = LLM(config=EngineConfig(model=path, max_model_len=64, kv_cache_memory="4MiB"))
     engine = llm.engine
-    running = engine.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    running = engine.add_request(prompt_token_ids=[1, 2, 3],
+                                 sampling_params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     engine.step()
     cases = [
         (dict(prompt_token_ids=[]), "prompt"),
@@ -220,7 +223,9 @@ def test_live_knob_change_is_validated_whole(tiny_llama):
 
 def test_tiny_temperature_is_greedy_not_nan(tiny_llama):
     engine = make_engine(tiny_llama[0])
-    greedy = engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    tiny = engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True))
+    greedy = engine.add_request(prompt_token_ids=[1, 2],
+                                sampling_params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    tiny = engine.add_request(prompt_token_ids=[1, 2],
+                              sampling_params=SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True))
     outs = drain(engine)
     assert outs[tiny][-1].token_ids == outs[greedy][-1].token_ids

@@ -10,13 +10,15 @@ import torch
 
 from iterserve.server.errors import InvalidRequestError
 from tests.conftest import make_engine
-from tests.test_engine_vs_hf import assert_matches_hf, run, workload
 from tests.test_engine_vs_hf import (  # noqa: F401  (collected here, with this module's tiny_model)
+    assert_matches_hf,
+    run,
     test_chunked_prefill,
     test_preemption_under_a_small_kv_pool,
     test_single_request,
     test_sixteen_concurrent_requests,
     test_torch_attention_path_in_padded_groups,
+    workload,
 )
 
 

@@ -6,8 +6,18 @@ import base64
 
 import pytest
 
-from tests.kubelet_podspec import ContainerConfigError, container_argv, container_ports, decode_secret_data, \
-    expand_vars, main_container, readiness_target, remap_path, resolve_env, with_option
+from tests.kubelet_podspec import (
+    ContainerConfigError,
+    container_argv,
+    container_ports,
+    decode_secret_data,
+    expand_vars,
+    main_container,
+    readiness_target,
+    remap_path,
+    resolve_env,
+    with_option,
+)
 from tests.kubelet_status import PodState, pod_status
 
 ENV = {"A": "1", "EMPTY": ""}
@@ -102,7 +112,8 @@ def test_container_argv():
 
 
 @pytest.mark.parametrize("container, expected", [
-    ({"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}}, "ports": [{"name": "http", "containerPort": 9}]},
+    ({"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}},
+      "ports": [{"name": "http", "containerPort": 9}]},
      ("/ready", 9)),
     ({"readinessProbe": {"httpGet": {"path": "/r", "port": 7}}}, ("/r", 7)),
     ({"args": ["--port=8123"]}, ("/ready", 8123)),

@@ -10,9 +10,9 @@ import httpx
 import kubernetes
 import yaml
 
-from tests.waiting import wait_until
 from tests.kubelet_standin import LocalKubelet
 from tests.server_support import add_tiny_tokenizer
+from tests.waiting import wait_until
 
 ADMIN_TOKEN = "admin-token-for-test"
 
@@ -57,7 +57,8 @@ def ready_pod(core, namespace: str, min_restarts: int = 0):
 def test_deployment_pod_runs_as_a_local_server(kube_cluster, kube_namespace, tiny_llama, tmp_path):
     model_dir = add_tiny_tokenizer(tiny_llama[0], tmp_path / "tiny")
     kube_cluster.kubectl("apply", "-f", "-", input=manifests(kube_namespace))
-    kubelet = LocalKubelet(kube_cluster, namespace=kube_namespace, extra_args=["--threads", "1", "--log-level", "warning"],
+    kubelet = LocalKubelet(kube_cluster, namespace=kube_namespace,
+                           extra_args=["--threads", "1", "--log-level", "warning"],
                            model_paths={"/models/tiny": model_dir})
     with kubelet, kube_cluster.api_client() as client:
         core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)

@@ -10,14 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from iterserve.server.model.gguf_loader import llama3_rope_divisors
 from iterserve.server.model.loader import default_model_path, load_model, resolve_model_path
@@ -124,7 +117,8 @@ def test_config_qwen2_sliding_window_only_when_enabled():
     assert ModelConfig.from_hf_dict(qwen).sliding_window is None
     assert ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 32
     # transformers applies it only from layer max_window_layers on: here to no layer at all.
-    assert ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": 28}).sliding_window is None
+    late_window = {**qwen, "use_sliding_window": True, "max_window_layers": 28}
+    assert ModelConfig.from_hf_dict(late_window).sliding_window is None
     with pytest.raises(ValueError, match="sliding_window"):
         ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": 1})
 
@@ -325,7 +319,8 @@ def test_bad_config_json(tmp_path):
     save_tiny(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match="config.json: architectures: 'GPT2LMHeadModel' is not supported; supported: Llama"):
+    with pytest.raises(ValueError,
+                       match="config.json: architectures: 'GPT2LMHeadModel' is not supported; supported: Llama"):
         load_model(tmp_path)
     del config["num_hidden_layers"]
     (tmp_path / "config.json").write_text(json.dumps(config))

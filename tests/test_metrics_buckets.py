@@ -8,9 +8,7 @@ import math
 import pytest
 
 from iterserve.operator.tuning.histograms import histogram_quantile
-from iterserve.server.api.metrics import (
-    PER_TOKEN_BUCKETS, TTFT_BUCKETS, VLLM_PER_TOKEN_BUCKETS, VLLM_TTFT_BUCKETS,
-)
+from iterserve.server.api.metrics import PER_TOKEN_BUCKETS, TTFT_BUCKETS, VLLM_PER_TOKEN_BUCKETS, VLLM_TTFT_BUCKETS
 
 
 def cumulative(edges: list[float], seconds: list[float]) -> dict[float, float]:

@@ -10,7 +10,12 @@ import dataclasses
 import pytest
 
 from iterserve.operator.builders.secret import (
-    ADMIN_SECRET, SECRET_LABELS, admin_secret_patch, admin_token_of, build_admin_secret, owner_ref,
+    ADMIN_SECRET,
+    SECRET_LABELS,
+    admin_secret_patch,
+    admin_token_of,
+    build_admin_secret,
+    owner_ref,
 )
 from tests.test_operator_builders import KUBE_VERSIONS, UID, service, validate
 

@@ -22,8 +22,16 @@ from iterserve.operator.status import ReconcileResult, compute_status
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning_loop import TuningLoop
 from tests.operator_support import (
-    TIMEOUT, admin_kube, apply_llmservice, children_of, condition, merge_patch_llmservice, operator, operator_rbac,
-    wait_for_event, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    apply_llmservice,
+    children_of,
+    condition,
+    merge_patch_llmservice,
+    operator,
+    operator_rbac,
+    wait_for_event,
+    wait_for_status,
 )
 from tests.waiting import wait_until
 
@@ -119,7 +127,8 @@ def test_operator_keeps_the_range_refuses_beside_an_hpa_and_hands_back(kube_clus
                                              "name": "chat"}, "minReplicas": 1, "maxReplicas": 3}})
     svc = wait_for_status(kube, ns, "chat", lambda o: condition(o, "Autoscaling").get("reason") == "HPAConflict",
                           "the HPA conflict")
-    assert condition(svc, "Autoscaling")["status"] == "False" and "chat-queue" in condition(svc, "Autoscaling")["message"]
+    autoscaling = condition(svc, "Autoscaling")
+    assert autoscaling["status"] == "False" and "chat-queue" in autoscaling["message"]
     wait_for_event(kube, ns, "chat", lambda e: e["reason"] == "HPAConflict" and e["type"] == "Warning"
                    and "chat-queue" in e["message"], "HPAConflict")
     kube.delete("autoscaling/v1", "HorizontalPodAutoscaler", ns, "chat-queue")

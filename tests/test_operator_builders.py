@@ -11,8 +11,8 @@ import pytest
 
 from iterserve.operator.builders.configmap import build_knobs_configmap, knobs_from_configmap
 from iterserve.operator.builders.deployment import build_deployment, server_args, termination_grace_seconds
-from iterserve.operator.builders.pdb import build_pdb
 from iterserve.operator.builders.networkpolicy import OperatorPeer, build_network_policy
+from iterserve.operator.builders.pdb import build_pdb
 from iterserve.operator.builders.secret import token_digest
 from iterserve.operator.builders.service import build_service
 from iterserve.operator.spec import parse_llmservice

@@ -12,12 +12,26 @@ from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION
 from iterserve.operator.builders.secret import ADMIN_SECRET, token_digest
 from iterserve.operator.controller import write_tuning_status
 from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler
-from tests.waiting import wait_until
-from tests.server_support import free_port
 from tests.operator_support import (
-    TIMEOUT, admin_kube, admin_secret, admin_token, apply_llmservice, assert_no_denials, children_of, condition, events_for, log_of,
-    merge_patch_llmservice, operator, operator_rbac, start_operator, wait_for_event, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    admin_secret,
+    admin_token,
+    apply_llmservice,
+    assert_no_denials,
+    children_of,
+    condition,
+    events_for,
+    log_of,
+    merge_patch_llmservice,
+    operator,
+    operator_rbac,
+    start_operator,
+    wait_for_event,
+    wait_for_status,
 )
+from tests.server_support import free_port
+from tests.waiting import wait_until
 
 __all__ = ["operator", "operator_rbac"]  # fixtures, used by name
 
@@ -313,7 +327,8 @@ def test_knob_edit_is_live_and_template_edit_rolls_out(kube_cluster, kube_namesp
         sets = replica_sets()
 
         # a knob edit reaches the running pod over HTTP: same pod, no restart, no new ReplicaSet
-        merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"engine": {"maxNumSeqs": 9, "prefillChunkSize": 32}}})
+        merge_patch_llmservice(kube_cluster, ns, "chat",
+                               {"spec": {"engine": {"maxNumSeqs": 9, "prefillChunkSize": 32}}})
         wait_until(lambda: running_knobs(pod) == {"max_num_seqs": 9, "max_num_batched_tokens": 512,
                                                   "prefill_chunk_size": 32}, timeout=TIMEOUT, what="live knobs")
         assert [p["metadata"]["name"] for p in ready_pods()] == [pod["metadata"]["name"]]

@@ -13,11 +13,20 @@ import pytest
 from iterserve.operator.builders.labels import ADMIN_PORT, HTTP_PORT
 from iterserve.operator.constants import GROUP, PLURAL, VERSION
 from tests.hung_pod import create_hung_pod
-from tests.waiting import wait_until
 from tests.operator_support import (
-    TIMEOUT, admin_kube, admin_token, apply_llmservice, assert_no_denials, condition, merge_patch_llmservice,
-    operator, operator_rbac, start_operator, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    admin_token,
+    apply_llmservice,
+    assert_no_denials,
+    condition,
+    merge_patch_llmservice,
+    operator,
+    operator_rbac,
+    start_operator,
+    wait_for_status,
 )
+from tests.waiting import wait_until
 
 __all__ = ["operator", "operator_rbac"]  # fixtures, used by name
 
@@ -53,7 +62,8 @@ class GenerationWatch(threading.Thread):
 def test_observed_generation_never_goes_backwards(kube_cluster, kube_namespace, operator):
     kube, ns = admin_kube(kube_cluster), kube_namespace
     apply_llmservice(kube_cluster, ns, "chat", {"drainTimeoutSeconds": 10})
-    wait_for_status(kube, ns, "chat", lambda o: o.get("status", {}).get("observedGeneration") == 1, "generation 1 observed")
+    wait_for_status(kube, ns, "chat", lambda o: o.get("status", {}).get("observedGeneration") == 1,
+                    "generation 1 observed")
     watch = GenerationWatch(kube_cluster, ns, "chat")
     watch.start()
     try:
@@ -61,7 +71,8 @@ def test_observed_generation_never_goes_backwards(kube_cluster, kube_namespace, 
             # each edit changes the pod template: the Deployment rolls, its status events reach the operator
             merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"drainTimeoutSeconds": 11 + i}})
             generation = kube.get_llmservice(ns, "chat")["metadata"]["generation"]
-            wait_for_status(kube, ns, "chat", lambda o, g=generation: o.get("status", {}).get("observedGeneration") == g,
+            wait_for_status(kube, ns, "chat",
+                            lambda o, g=generation: o.get("status", {}).get("observedGeneration") == g,
                             f"generation {generation} observed")
             time.sleep(1)  # the Deployment's status events that follow the edit
         time.sleep(3)  # and a resync pass

@@ -7,11 +7,11 @@ import ast
 import json
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import tomllib
 
 from iterserve.operator.builders.deployment import RUN_AS
 from iterserve.operator.builders.networkpolicy import NAMESPACE_NAME_LABEL
@@ -76,7 +76,8 @@ def test_namespaced_mode_has_roles_and_no_cluster_rights(namespaced, rendered):
                             "RoleBinding", "RoleBinding", "Deployment", "ConfigMap"])
     for doc in namespaced:
         kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
-    role, binding = only(namespaced, "Role", "iterserve-operator"), only(namespaced, "RoleBinding", "iterserve-operator")
+    role = only(namespaced, "Role", "iterserve-operator")
+    binding = only(namespaced, "RoleBinding", "iterserve-operator")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
     assert binding["roleRef"]["name"] == "iterserve-operator" and binding["roleRef"]["kind"] == "Role"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "iterserve-operator",

@@ -12,11 +12,20 @@ import yaml
 from iterserve.operator.builders.secret import ADMIN_SECRET
 from iterserve.operator.cli import watched_namespaces
 from tests.kube_support import write_kubeconfig
-from tests.waiting import wait_until
 from tests.operator_support import (
-    TIMEOUT, admin_kube, admin_token, apply_llmservice, assert_no_denials, children_of, condition, operator_rbac,
-    rendered_manifests, start_operator, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    admin_token,
+    apply_llmservice,
+    assert_no_denials,
+    children_of,
+    condition,
+    operator_rbac,
+    rendered_manifests,
+    start_operator,
+    wait_for_status,
 )
+from tests.waiting import wait_until
 
 __all__ = ["operator_rbac"]  # a fixture, used by name
 

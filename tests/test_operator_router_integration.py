@@ -13,8 +13,17 @@ import json
 from iterserve.operator.kube import path_of
 from tests.kubelet_status import PodState, pod_status
 from tests.operator_support import (
-    TIMEOUT, admin_kube, apply_llmservice, children_of, condition, events_for, merge_patch_llmservice, operator,
-    operator_rbac, wait_for_event, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    apply_llmservice,
+    children_of,
+    condition,
+    events_for,
+    merge_patch_llmservice,
+    operator,
+    operator_rbac,
+    wait_for_event,
+    wait_for_status,
 )
 from tests.waiting import wait_until
 
@@ -38,7 +47,8 @@ def mark_ready(kube, ns: str, pod: dict, ip: str | None) -> None:
     the pod's readiness probe passes."""
     name = pod["metadata"]["name"]
     kube.request("POST", path_of("v1", "Pod", ns, name, "binding"), {
-        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name}, "target": {"kind": "Node", "name": "node-a"}})
+        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+        "target": {"kind": "Node", "name": "node-a"}})
     state = PodState(pod["spec"]["containers"][0]["name"], phase="Running", waiting=None)
     state.host = ip
     state.set_ready(True)
@@ -106,7 +116,8 @@ def test_router_on_then_off(kube_cluster, kube_namespace, operator):
     # garbage collection takes the router's ReplicaSet and pods with its Deployment (the pods, bound to a
     # node, stay Terminating: the kubelet that would confirm their end is not there)
     wait_until(lambda: not kube.list("apps/v1", "ReplicaSet", ns, selector(ROUTER_PODS))
-               and all(p["metadata"].get("deletionTimestamp") for p in kube.list("v1", "Pod", ns, selector(ROUTER_PODS))),
+               and all(p["metadata"].get("deletionTimestamp")
+                       for p in kube.list("v1", "Pod", ns, selector(ROUTER_PODS))),
                timeout=TIMEOUT, what="the router's pods terminating")
     svc = wait_for_status(kube, ns, "chat", lambda o: condition(o, "Ready").get("status") == "True"
                           and "router" not in condition(o, "Ready").get("message", ""), "Ready without the router")

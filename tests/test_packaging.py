@@ -66,8 +66,8 @@ def test_regular_install(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     # every sub-package made it into the wheel
-    for sub in ("server/engine", "server/model", "server/runner", "server/entrypoints", "server/api", "operator", "kernels",
-                "router"):
+    for sub in ("server/engine", "server/model", "server/runner", "server/entrypoints", "server/api", "operator",
+                "kernels", "router"):
         assert list((target / "iterserve" / sub).glob("*.py")), sub
     assert not (target / "operator").exists()
     # the C++ kernels' sources ship too: kernels/cpu_extension.py builds them on first use

@@ -24,7 +24,8 @@ def shared_prefix_items(n: int, seed: int, prefix_lens=(5, 16, 32, 37), max_suff
     prefixes = [[rng.randrange(1, 320) for _ in range(length)] for length in prefix_lens]
     items = []
     for i in range(n):
-        suffix = [rng.randrange(1, 320) for _ in range(0 if i % 5 == 0 or not max_suffix else rng.randint(1, max_suffix))]
+        suffix_len = 0 if i % 5 == 0 or not max_suffix else rng.randint(1, max_suffix)
+        suffix = [rng.randrange(1, 320) for _ in range(suffix_len)]
         items.append((prefixes[i % len(prefixes)] + suffix, rng.randint(1, max_out)))
     return items
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router_support import router_gauge, routed, start_pods, start_router, stop, wait_healthy
+from tests.router_support import routed, router_gauge, start_pods, start_router, stop, wait_healthy
 from tests.server_support import metric_value, wait_idle
 from tests.waiting import wait_until
 

@@ -24,6 +24,7 @@ from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.errors import InvalidRequestError
 from tests.kv_trace_runner import VOCAB, KVTraceRunner
 from tests.kv_trace_runner import next_token as _trace_next_token
+
 KNOB_NAMES = tuple(f.name for f in dataclasses.fields(SchedulerKnobs))
 
 
@@ -346,7 +347,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _describe(self) -> str:
         s = self.eng.scheduler
-        return f"running={s.running} waiting={s.waiting} knobs={self.knobs} tables={self.eng.block_manager.block_tables}"
+        return (f"running={s.running} waiting={s.waiting} knobs={self.knobs} "
+                f"tables={self.eng.block_manager.block_tables}")
 
     def _step_and_check(self):
         eng = self.eng
@@ -454,7 +456,6 @@ class EngineMachine(RuleBasedStateMachine):
                 assert not waiting_members or max(keys) < min(waiting_members)
 
     def _check_outputs(self, cap: Captured, outputs):
-        out = cap.out
         # every scheduled request whose computed tokens reach its end samples exactly one token
         sampling = {r.request_id for r, n, c, total in zip(cap.scheduled, cap.num_scheduled,
                                                            cap.computed_before, cap.num_tokens_before)

@@ -26,8 +26,8 @@ def server(tiny_dir):
 def test_a_patch_without_the_token_is_refused_unread(server):
     """The admin token is checked before the body is read: a client without it sends only a head that
     announces a large body, and gets its 401 (and a closed connection) rather than a wait for the body."""
-    head = ("PATCH /admin/scheduler HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            "Content-Length: 3000000\r\n\r\n").encode()
+    head = (b"PATCH /admin/scheduler HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 3000000\r\n\r\n")
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head)
         received = b""
@@ -43,7 +43,8 @@ def knobs(srv) -> dict:
 def test_admin_needs_its_own_token(server):
     url = server.url + "/admin/scheduler"
     assert httpx.get(url).status_code == 401
-    assert httpx.get(url, headers={"Authorization": "Bearer user-key-for-tests"}).status_code == 401  # API key is not enough
+    # the API key is not enough
+    assert httpx.get(url, headers={"Authorization": "Bearer user-key-for-tests"}).status_code == 401
     assert httpx.patch(url, json={"max_num_seqs": 9}).status_code == 401
     assert httpx.patch(url, json={"max_num_seqs": 9}, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert knobs(server)["max_num_seqs"] == 2

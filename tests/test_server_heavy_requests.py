@@ -68,7 +68,7 @@ class HealthProber(threading.Thread):
                 status = client.get(self.url + "/health").status_code
                 self.probes.append((sent, time.monotonic(), status))
 
-    def __enter__(self) -> "HealthProber":
+    def __enter__(self) -> HealthProber:
         self.start()
         while not self.probes:
             time.sleep(0.01)

@@ -41,7 +41,7 @@ def test_completion_usage_and_length(client):
     assert r.object == "text_completion" and r.model == MODEL
     (choice,) = r.choices
     assert choice.finish_reason == "length"
-    assert r.usage.prompt_tokens == len("hello there".encode())  # one token per byte
+    assert r.usage.prompt_tokens == len(b"hello there")  # one token per byte
     assert r.usage.completion_tokens == 7 and r.usage.total_tokens == r.usage.prompt_tokens + 7
 
 

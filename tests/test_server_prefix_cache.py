@@ -17,6 +17,7 @@ from iterserve.operator.tuning.observation import KV_USAGE
 from iterserve.operator.tuning.observe import parse_scrape
 from iterserve.server.bench.workload import words_prompt
 from tests.server_support import InProcessServer, metric_value
+from tests.waiting import wait_until
 
 ADMIN_TOKEN = "admin-secret-for-prefix-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -32,10 +33,8 @@ def counters(srv) -> tuple[float, float]:
 
 
 def wait_idle(srv, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while metric_value(metrics(srv), "vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: metric_value(metrics(srv), "vllm:num_requests_running") <= 0, timeout=timeout,
+               what="no request running", interval=0.05)
 
 
 @pytest.mark.slow
@@ -46,7 +45,8 @@ def test_a_shared_1000_token_prefix_is_reported_cached():
         system = {"role": "system", "content": words_prompt(1010, seed=1)}  # about 1,010 tokens
 
         def ask(question: str, **kw):
-            return client.chat.completions.create(model="smol", messages=[system, {"role": "user", "content": question}],
+            return client.chat.completions.create(model="smol",
+                                                  messages=[system, {"role": "user", "content": question}],
                                                   max_tokens=4, temperature=0, **kw)
 
         first = ask("What is the capital of France?")

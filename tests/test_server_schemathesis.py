@@ -18,7 +18,8 @@ from tests.server_support import InProcessServer
 def test_no_server_errors(tiny_dir):
     model = tiny_dir
     # a short context keeps every generated request's generation short
-    with InProcessServer(model, model_name="test-model", max_model_len=64, admin_token="admin-token-for-schemathesis") as srv:
+    with InProcessServer(model, model_name="test-model", max_model_len=64,
+                         admin_token="admin-token-for-schemathesis") as srv:
         schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
         operations = [result.ok() for result in schema.get_all_operations()]
         paths = {op.path for op in operations}

@@ -23,6 +23,7 @@ from iterserve.server.errors import InvalidRequestError
 from tests.conftest import make_engine
 from tests.server_support import with_special_eos
 
+
 @pytest.fixture(scope="module")
 def json_model(tiny_dir, tmp_path_factory):
     return with_special_eos(tiny_dir, tmp_path_factory.mktemp("tiny-json"))

@@ -107,7 +107,8 @@ def test_a_template_without_tool_markup_has_no_parser():
     assert detect_parser(TINY_CHAT_TEMPLATE) is None and detect_parser(None) is None
 
 
-FORCED = '[{"name":"get_weather","parameters":{"city":"P\\"a]},ris","days":[1,{"x":"}"}]}},{"name":"f","parameters":{}}]'
+FORCED = ('[{"name":"get_weather","parameters":{"city":"P\\"a]},ris","days":[1,{"x":"}"}]}},'
+          '{"name":"f","parameters":{}}]')
 CASES = [
     (ToolPlan("required"), FORCED),
     (ToolPlan("named", function="get_weather"), '{"city":"Paris","unit":"celsius"}'),

@@ -47,7 +47,8 @@ def test_llama3_1():
 def test_qwen2_5():
     text = render("qwen2_5.jinja", "call_1")
     assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in text
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>') in text
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_support import TOLERANCE, make_block_tables, make_cache  # sets TRITON_INTERPRET first
-
 from iterserve.kernels.triton_decode_attention import MAX_SPLITS, choose_num_splits, decode_attention_triton
 from iterserve.kernels.triton_kv_write import write_kv_triton
 from iterserve.kernels.triton_prefill_attention import prefill_attention_triton
@@ -16,6 +14,7 @@ from iterserve.kernels.triton_reference import (
     prefill_attention_reference,
     write_kv_reference,
 )
+from tests.triton_support import TOLERANCE, make_block_tables, make_cache  # sets TRITON_INTERPRET first
 
 DTYPES = [torch.float32, torch.float16]
 

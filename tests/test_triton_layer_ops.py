@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_support import TOLERANCE  # sets TRITON_INTERPRET first
-
 from iterserve.kernels.triton_layer_ops import add_rms_norm_triton, rotary_triton, silu_mul_triton
 from iterserve.kernels.triton_reference import add_rms_norm_reference, rope_reference, silu_mul_reference
+from tests.triton_support import TOLERANCE  # sets TRITON_INTERPRET first
 
 DTYPES = [torch.float32, torch.float16]
 

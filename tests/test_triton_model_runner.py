@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from tests.triton_support import make_block_tables  # noqa: F401  (sets TRITON_INTERPRET first)
-
 import torch
 
 from iterserve.server.engine.sampling_params import SamplingParams
@@ -19,6 +16,7 @@ from iterserve.server.runner.cuda_graphs import bucket_for, capture_sizes, pad_d
 from iterserve.server.runner.step_inputs import StepLayout
 from tests.conftest import make_engine
 from tests.test_engine_vs_hf import workload
+from tests.triton_support import make_block_tables  # noqa: F401  (sets TRITON_INTERPRET first)
 
 
 def generate(engine, items):

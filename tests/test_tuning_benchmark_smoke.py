@@ -12,8 +12,16 @@ import pytest
 
 from benchmarks.tuning import main, make_load, parse_args, round_ms
 from benchmarks.tuning_load import Phase, StepLoad, p99, window_figures
-from benchmarks.tuning_report import (attainable, best_static, fold_repeats, machine_speed, median_or_none,
-                                      noise_check, phase_spans, verdict)
+from benchmarks.tuning_report import (
+    attainable,
+    best_static,
+    fold_repeats,
+    machine_speed,
+    median_or_none,
+    noise_check,
+    phase_spans,
+    verdict,
+)
 from benchmarks.tuning_runs import convergence_s, within_one_step
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.server.bench.client import RequestRecord
@@ -251,7 +259,8 @@ def test_whole_script_on_a_tiny_model(tiny_dir, tmp_path, capsys):
     assert len(reach["per_round"]) == 2 and all(reach["num_good"] >= g["num_good"] for g in result["grid"])
     for row in [result["tuned"], *result["grid"]]:
         assert len(row["repeats"]) == 2 and row["num_requests"] == n
-        assert min(r["num_good"] for r in row["repeats"]) <= row["num_good"] <= max(r["num_good"] for r in row["repeats"])
+        goods = [r["num_good"] for r in row["repeats"]]
+        assert min(goods) <= row["num_good"] <= max(goods)
         for run in row["repeats"]:
             assert run["num_completed"] == n  # the tiny model keeps up
             assert run["unloaded_itl_ms"] > 0  # the machine's speed, measured right before the run

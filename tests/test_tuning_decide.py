@@ -8,7 +8,15 @@ import dataclasses
 import pytest
 
 from iterserve.operator.tuning.decide import (
-    BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK, TunerState, decide,
+    BACK_OFF_SEQS,
+    CLAMP,
+    HOLD,
+    LOWER_CHUNK,
+    RAISE_CHUNK,
+    RAISE_SEQS,
+    ROLLBACK,
+    TunerState,
+    decide,
 )
 from iterserve.operator.tuning.failures import same_mix
 from iterserve.operator.tuning.knobs import Knobs
@@ -268,7 +276,8 @@ def test_only_raises_the_decodes_did_not_pay_for_are_undone_when_they_return():
     # far under their SLO; when the chats return, 128 is chunk_back_for_decodes' way back, and free
     ("raised with decodes cheap: the way back stays open", [window(ttft=1300, itl=16), no_decodes(300), ITL_OVER],
      [RAISE_CHUNK, HOLD, LOWER_CHUNK], [256, 256, 128]),
-    # raised with chats decoding near their SLO: the return says 128 did not pay, and chunk_back_for_decodes has nothing to
+    # raised with chats decoding near their SLO: the return says 128 did not pay, and chunk_back_for_decodes has
+    # nothing to
     # undo; the ITL breach is confirmed over two windows, and with 128 blocked max_num_seqs backs off
     ("raised with decodes near their SLO: 128 is marked failed",
      [window(ttft=1300, itl=40)] * 2 + [no_decodes(300)] + [ITL_OVER] * 2,
@@ -307,7 +316,8 @@ def test_a_chunk_raised_on_headroom_that_breaks_the_slo_is_rolled_back_and_not_r
 ])
 def test_a_chunk_raised_on_headroom_is_judged_as_a_ttft_cure(name, after, want_action, want_chunk):
     """raise_chunk_for_prefill's raise meets a queue as it builds: judged as a move from a met SLO, a
-    128 -> 256 raise was rolled back at a documents' onset on the window after it, which still held the documents queued before it."""
+    128 -> 256 raise was rolled back at a documents' onset on the window after it, which still held the documents
+    queued before it."""
     d = run([no_decodes(900), after])
     assert actions(d) == [RAISE_CHUNK, want_action], d[-1].reason
     assert chunks(d)[-1] == want_chunk

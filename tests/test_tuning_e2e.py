@@ -27,14 +27,24 @@ import pytest
 from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.server.bench.load import BenchConfig, run_bench
 from iterserve.server.bench.workload import WorkloadSpec, parse_length
-from tests.waiting import wait_until
 from tests.kubelet_standin import LocalKubelet
 from tests.operator_support import (
-    TIMEOUT, admin_kube, admin_token, apply_llmservice, assert_no_denials, condition, events_for,
-    merge_patch_llmservice, operator_rbac, start_operator, wait_for_event, wait_for_status,
+    TIMEOUT,
+    admin_kube,
+    admin_token,
+    apply_llmservice,
+    assert_no_denials,
+    condition,
+    events_for,
+    merge_patch_llmservice,
+    operator_rbac,
+    start_operator,
+    wait_for_event,
+    wait_for_status,
 )
 from tests.server_support import free_port, metric_value
 from tests.test_tuning_live import Load
+from tests.waiting import wait_until
 
 __all__ = ["operator_rbac"]  # a fixture, used by name
 

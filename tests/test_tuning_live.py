@@ -1,6 +1,7 @@
 """The tuner against real `iterserve serve` processes under load made by `iterserve bench`'s Python API:
 reading the pods' /metrics directly, then through a real Prometheus. Requests that queue behind
-max_num_seqs=1 breach a TTFT objective set from the machine's own speed (4x one request's latency): the tuner raises max_num_seqs on every pod, live, and the
+max_num_seqs=1 breach a TTFT objective set from the machine's own speed (4x one request's latency): the tuner raises
+max_num_seqs on every pod, live, and the
 measured p99 TTFT falls. A KV cache too small for the batch makes the server preempt: the tuner backs
 max_num_seqs off until it stops. Short intervals and windows keep this to well under three minutes."""
 
@@ -14,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.decide import BACK_OFF_SEQS, RAISE_SEQS
 from iterserve.operator.tuning.histograms import histogram_quantile
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observe import PodScraper
+from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.prometheus import PrometheusSource
 from iterserve.operator.tuning.tuner import Tuner

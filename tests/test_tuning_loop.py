@@ -10,7 +10,14 @@ import pytest
 
 from iterserve.operator.spec import Bound, parse_llmservice
 from iterserve.operator.tuning.decide import (
-    HOLD, LOWER_CHUNK, NOT_OBSERVED, RAISE_SEQS, ROLLBACK, Condition, Decision, TunerState,
+    HOLD,
+    LOWER_CHUNK,
+    NOT_OBSERVED,
+    RAISE_SEQS,
+    ROLLBACK,
+    Condition,
+    Decision,
+    TunerState,
 )
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observe import PodScraper
@@ -18,7 +25,13 @@ from iterserve.operator.tuning.policy import InvalidPolicyError, KnobBounds, Tun
 from iterserve.operator.tuning.prometheus import PrometheusSource
 from iterserve.operator.tuning.tuner import TuningRecord
 from iterserve.operator.tuning_loop import (
-    EventMemory, events_for, metrics_source, next_delay, policy_from_spec, tuned_of, tuning_enabled,
+    EventMemory,
+    events_for,
+    metrics_source,
+    next_delay,
+    policy_from_spec,
+    tuned_of,
+    tuning_enabled,
 )
 
 
@@ -91,7 +104,8 @@ def test_ticks_start_every_interval(interval, elapsed, delay):
 
 def test_tuned_of_reads_the_current_condition():
     assert tuned_of({}) is None
-    assert tuned_of({"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady"}]}}) is None
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+    assert tuned_of({"status": {"conditions": [ready]}}) is None
     body = {"status": {"conditions": [{"type": "Tuned", "status": "True", "reason": "SLOMet"}]}}
     assert tuned_of(body) == ("True", "SLOMet")
 

@@ -16,7 +16,15 @@ from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import read
 from iterserve.operator.tuning.scale import (
-    SCALE_IN, SCALE_OUT, SCALE_RULES, STAY, Fleet, ScalePolicy, ScaleState, Tick, decide_scale,
+    SCALE_IN,
+    SCALE_OUT,
+    SCALE_RULES,
+    STAY,
+    Fleet,
+    ScalePolicy,
+    ScaleState,
+    Tick,
+    decide_scale,
 )
 
 TUNING = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, min_samples=20)

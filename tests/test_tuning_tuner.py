@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
-from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
+from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.tuner import Tuner
 from tests.server_support import InProcessServer, free_port

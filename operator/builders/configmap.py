@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 from iterserve.common import wire
+from iterserve.common.wire import KNOB_NAMES
 from iterserve.operator.builders.labels import ANNOTATION_PREFIX, child_metadata, knobs_configmap_name
 from iterserve.operator.spec import LLMService
-from iterserve.common.wire import KNOB_NAMES
 
 SPEC_KNOBS_ANNOTATION = ANNOTATION_PREFIX + "spec-knobs"
 

@@ -8,12 +8,18 @@ template stays the same when they change and running pods get the new values ove
 from __future__ import annotations
 
 from iterserve.common import wire
+from iterserve.operator.builders.configmap import configmap_key, env_var
 from iterserve.operator.builders.labels import (
-    ADMIN_PORT, ADMIN_PORT_NAME, ANNOTATION_PREFIX, HTTP_PORT, child_metadata,
-    knobs_configmap_name, labels, selector_labels,
+    ADMIN_PORT,
+    ADMIN_PORT_NAME,
+    ANNOTATION_PREFIX,
+    HTTP_PORT,
+    child_metadata,
+    knobs_configmap_name,
+    labels,
+    selector_labels,
 )
 from iterserve.operator.builders.secret import ADMIN_SECRET
-from iterserve.operator.builders.configmap import configmap_key, env_var
 from iterserve.operator.spec import LLMService
 
 CONTAINER = "server"
@@ -77,8 +83,8 @@ def _env(svc: LLMService) -> list[dict]:
 
 
 def _volumes(svc: LLMService) -> tuple[list[dict], list[dict]]:
-    volumes = [{"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict] = [{"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"}]
     if svc.model.source == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_name, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})

@@ -15,7 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from iterserve.operator.builders.labels import (
-    ADMIN_PORT, HTTP_PORT, child_metadata, router_labels, router_name, router_selector_labels, selector_labels,
+    ADMIN_PORT,
+    HTTP_PORT,
+    child_metadata,
+    router_labels,
+    router_name,
+    router_selector_labels,
+    selector_labels,
 )
 from iterserve.operator.constants import DEFAULT_OPERATOR_LABELS, DEFAULT_OPERATOR_NAMESPACE
 from iterserve.operator.spec import LLMService

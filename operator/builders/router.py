@@ -11,11 +11,21 @@ unchanged and the pods check the API key, so the router gets no key of its own.
 from __future__ import annotations
 
 from iterserve.operator.builders.deployment import (
-    PRESTOP_SLEEP_S, SCRAPE_ANNOTATIONS, container_resources, hardened_container, hardened_pod_spec, http_probe,
+    PRESTOP_SLEEP_S,
+    SCRAPE_ANNOTATIONS,
+    container_resources,
+    hardened_container,
+    hardened_pod_spec,
+    http_probe,
     rolling_deployment,
 )
 from iterserve.operator.builders.labels import (
-    HTTP_PORT, child_metadata, pods_service_name, router_labels, router_name, router_selector_labels,
+    HTTP_PORT,
+    child_metadata,
+    pods_service_name,
+    router_labels,
+    router_name,
+    router_selector_labels,
     selector_labels,
 )
 from iterserve.operator.spec import LLMService

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
+from typing import Any
 
 from iterserve.operator.builders.labels import MANAGED_BY
 from iterserve.operator.constants import GROUP, KIND, VERSION
@@ -58,13 +59,14 @@ def admin_secret_patch(current: dict, svc: LLMService, token: str) -> dict | Non
         refs.append(mine)  # in place otherwise: services sharing the Secret must not reorder it in turns
     owners = {ref.get("name") for ref in refs if ref.get("kind") == KIND}
     data = current.get("data") or {}
-    changes = {key: None for key in data if key not in owners}
+    changes: dict[str, str | None] = {key: None for key in data if key not in owners}
     if data.get(svc.name) != _encode(token):
         changes[svc.name] = _encode(token)
     labels = {**(meta.get("labels") or {}), **SECRET_LABELS}
     if not changes and labels == meta.get("labels") and refs == list(meta.get("ownerReferences") or ()):
         return None
-    patch = {"metadata": {"resourceVersion": meta.get("resourceVersion"), "labels": labels, "ownerReferences": refs}}
+    patch: dict[str, Any] = {"metadata": {"resourceVersion": meta.get("resourceVersion"), "labels": labels,
+                                          "ownerReferences": refs}}
     if changes:
         patch["data"] = changes
     return patch

@@ -57,7 +57,8 @@ def decodes_back(k: Knobs, before: int | None, r: Reading) -> Knobs | None:
     `cure_breach` asks to confirm a breach: what justified the raise is gone. A phase of documents leaves the chunk
     large; the chats after it breach ITL in the windows a document's prefill falls in, and confirming that
     over separate windows took 26-120 s (10-15 chats lost each time), and 22 s where the raise was a TTFT
-    cure at the documents' onset with the last chats' decodes at 0.16 of their SLO. None when no such raise stands or the decodes meet their SLO (a move
+    cure at the documents' onset with the last chats' decodes at 0.16 of their SLO. None when no such raise stands or
+    the decodes meet their SLO (a move
     from a met SLO would be rolled back on the next noisy window)."""
     if before is None or r.nothing_decodes or r.itl <= 1 or k.prefill_chunk_size <= before:
         return None

@@ -16,12 +16,26 @@ from collections.abc import Callable
 from functools import cached_property
 
 from iterserve.operator.tuning.actions import (  # noqa: F401  (the action names' usual import path)
-    AIMS, BACK_OFF_SEQS, CLAMP, HOLD, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS, ROLLBACK,
+    AIMS,
+    BACK_OFF_SEQS,
+    CLAMP,
+    HOLD,
+    LOWER_CHUNK,
+    RAISE_CHUNK,
+    RAISE_SEQS,
+    ROLLBACK,
 )
 from iterserve.operator.tuning.chunk_moves import decodes_back, decodes_cheap, headroom_raise
 from iterserve.operator.tuning.corrections import back_off_seqs, cap_binds, clamp, correct, corrections, judge
 from iterserve.operator.tuning.decision import (  # noqa: F401  (re-exported: decide's types)
-    NOT_OBSERVED, Condition, Decision, PendingChange, TunerState, breached, move, stay,
+    NOT_OBSERVED,
+    Condition,
+    Decision,
+    PendingChange,
+    TunerState,
+    breached,
+    move,
+    stay,
 )
 from iterserve.operator.tuning.failures import mark_failed
 from iterserve.operator.tuning.observation import Observation
@@ -37,9 +51,15 @@ class Window:
     def __init__(self, state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float):
         self.state, self.obs, self.policy, self.now = state, obs, policy, now
 
+    @property
+    def seen(self) -> Observation:
+        """The observation, for the rules after `too_few_samples` (which ends a window without one)."""
+        assert self.obs is not None
+        return self.obs
+
     @cached_property
     def r(self) -> Reading:
-        return read(self.obs, self.policy)
+        return read(self.seen, self.policy)
 
     @property
     def healthy(self) -> bool:
@@ -47,7 +67,7 @@ class Window:
 
     @cached_property
     def s(self) -> TunerState:
-        state, r, obs, policy = self.state, self.r, self.obs, self.policy
+        state, r, obs, policy = self.state, self.r, self.seen, self.policy
         num_ttft, ttft_end = count_breach(state.num_ttft_breaches, state.ttft_breach_end, r.ttft > 1, obs, policy)
         num_itl, itl_end = count_breach(state.num_itl_breaches, state.itl_breach_end, r.itl > 1, obs, policy)
         return dataclasses.replace(state, pending=None, last_good=state.knobs if self.healthy else state.last_good,
@@ -107,7 +127,7 @@ def judge_last_change(w: Window) -> Decision | None:
     p = w.state.pending
     if p is None or w.healthy:
         return None
-    worse = judge(p, w.r, w.obs, w.policy)
+    worse = judge(p, w.r, w.seen, w.policy)
     if worse is None:
         return None
     # the setting gone back to is cleared (a back-off marked it as a ceiling: the back-off was wrong)
@@ -124,7 +144,7 @@ def back_off_on_trouble(w: Window) -> Decision | None:
     multiplicatively (from the batch that actually ran), whatever the p99s say."""
     if w.r.trouble is None:
         return None
-    return correct(w.s, w.policy, w.now, w.r, [back_off_seqs(w.state.knobs, w.obs, w.policy)], w.r.trouble,
+    return correct(w.s, w.policy, w.now, w.r, [back_off_seqs(w.state.knobs, w.seen, w.policy)], w.r.trouble,
                    aimed=False)
 
 
@@ -161,7 +181,7 @@ def cure_breach(w: Window) -> Decision | None:
         # so one noisy window does not flip the condition (nor a quiet spell after it freeze it False)
         tuned = state.tuned if state.tuned.status == "True" else breached(r, state.tuned)
         return stay(s, w.now, f"{', '.join(over)}, {policy.confirm_breaches} needed to act; {r.text}", False, tuned)
-    moves = corrections(state.knobs, w.obs, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
+    moves = corrections(state.knobs, w.seen, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
     return correct(s, policy, w.now, r, moves, "SLO breached")
 
 
@@ -181,7 +201,7 @@ def raise_seqs_with_headroom(w: Window) -> Decision:
     """SLO met: with both p99s under the headroom line, KV usage under the pressure threshold and the batch
     cap holding requests back, `max_num_seqs` goes up one step; otherwise nothing moves (between the
     headroom line and the SLO lies the hysteresis band). The table's last rule: it always decides."""
-    s, r, obs, policy, now, knobs = w.s, w.r, w.obs, w.policy, w.now, w.state.knobs
+    s, r, obs, policy, now, knobs = w.s, w.r, w.seen, w.policy, w.now, w.state.knobs
     target = knobs.replace(max_num_seqs=min(policy.max_num_seqs_bounds.max, knobs.max_num_seqs + policy.seqs_step))
     room = policy.headroom_line
     if r.score > room:

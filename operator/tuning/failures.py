@@ -39,7 +39,7 @@ class FailedSetting:
     def blocks(self, target: Knobs, now: float, mix: float | None, mix_factor: float) -> bool:
         return now < self.until and self.covers(target) and same_mix(self.mix, mix, mix_factor)
 
-    def on_line_with(self, other: "FailedSetting") -> bool:
+    def on_line_with(self, other: FailedSetting) -> bool:
         """Both failed the same way along the same knob, the other knobs equal."""
         return (self.knob is not None and self.knob == other.knob and self.direction == other.direction
                 and (self.covers(other.knobs) or other.covers(self.knobs)))

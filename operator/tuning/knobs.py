@@ -31,7 +31,7 @@ class Knobs:
         """camelCase, as the LLMService spec and status spell them."""
         return {CAMEL[k]: v for k, v in self.as_dict().items()}
 
-    def replace(self, **changes: int) -> "Knobs":
+    def replace(self, **changes: int) -> Knobs:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
@@ -39,7 +39,7 @@ class Knobs:
                 f"max_num_batched_tokens={self.max_num_batched_tokens}")
 
     @classmethod
-    def from_dict(cls, values: dict[str, int]) -> "Knobs":
+    def from_dict(cls, values: dict[str, int]) -> Knobs:
         """From snake_case or camelCase keys (unknown keys are an error, missing ones take the defaults)."""
         snake = {v: k for k, v in CAMEL.items()}
         out = {}

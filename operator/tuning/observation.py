@@ -3,12 +3,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from iterserve.common.wire import (  # noqa: F401  (the tuner's readers import the names from here)
-    GENERATION_TOKENS, HTTP_RESPONSES, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME, REQUESTS, RUNNING,
-    STEP_FAILURES, TTFT, WAITING,
+    GENERATION_TOKENS,
+    HTTP_RESPONSES,
+    ITL,
+    KV_USAGE,
+    PREEMPTIONS,
+    PROMPT_TOKENS,
+    QUEUE_TIME,
+    REQUESTS,
+    RUNNING,
+    STEP_FAILURES,
+    TTFT,
+    WAITING,
 )
 
 HISTOGRAMS = (TTFT, ITL, QUEUE_TIME)
@@ -41,7 +52,7 @@ class Observation:
     errors: tuple[str, ...] = ()  # pods that could not be read, with why
 
     @classmethod
-    def empty(cls, now: float, errors: Sequence[str] = ()) -> "Observation":
+    def empty(cls, now: float, errors: Sequence[str] = ()) -> Observation:
         """A window in which no pod could be read: no samples, so it decides nothing."""
         return cls(start=now, end=now, num_pods=0, num_samples=0, ttft_p99_s=None, itl_p99_s=None,
                    request_rate=0.0, prompt_token_rate=0.0, generation_token_rate=0.0, waiting=0.0, running=0.0,
@@ -71,5 +82,5 @@ class MetricsSource(Protocol):
         """The window ending at `now`, `window_s` long but never reaching back to `since` (the last knob
         change) or before; None when nothing could be read."""
 
-    def snapshot(self, pod_urls: Sequence[str], now: float) -> None:
+    def snapshot(self, pod_urls: Sequence[str], now: float) -> object:  # what it returns is not used
         """Called right after a change: a source that keeps its own history records a starting point."""

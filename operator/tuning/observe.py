@@ -12,17 +12,32 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.operator.tuning.histograms import add_buckets, histogram_quantile
 from iterserve.operator.tuning.observation import (
-    COUNTERS, GAUGES, GENERATION_TOKENS, HISTOGRAMS, HTTP_RESPONSES, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME,
-    REQUESTS, RUNNING, SERVER_ERRORS, STEP_FAILURES, TTFT, WAITING, Observation,
+    COUNTERS,
+    GAUGES,
+    GENERATION_TOKENS,
+    HISTOGRAMS,
+    HTTP_RESPONSES,
+    ITL,
+    KV_USAGE,
+    PREEMPTIONS,
+    PROMPT_TOKENS,
+    QUEUE_TIME,
+    REQUESTS,
+    RUNNING,
+    SERVER_ERRORS,
+    STEP_FAILURES,
+    TTFT,
+    WAITING,
+    Observation,
 )
 
 MAX_SCRAPES_PER_POD = 256
@@ -38,9 +53,9 @@ class PodScrape:
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> cumulative
     sums: dict[str, float] = field(default_factory=dict)  # histogram -> sum of observations
 
-    def went_down_since(self, prev: "PodScrape") -> bool:
+    def went_down_since(self, prev: PodScrape) -> bool:
         """A restart: some cumulative value is lower than (or missing from) what `prev` read."""
-        pairs = [(self.counters, prev.counters), (self.sums, prev.sums)]
+        pairs: list[tuple[dict, dict]] = [(self.counters, prev.counters), (self.sums, prev.sums)]
         pairs += [(self.buckets.get(name, {}), b) for name, b in prev.buckets.items()]
         return any(current.get(key, -1.0) < before for current, earlier in pairs for key, before in earlier.items())
 
@@ -155,7 +170,7 @@ class PodScraper:
         for url in list(self.history):
             if url not in pod_urls:
                 del self.history[url]  # a pod gone (or replaced under a new address) takes its history along
-        errors = []
+        errors: list[str] = []
         if not pod_urls:
             return errors
         with ThreadPoolExecutor(min(self.max_workers, len(pod_urls))) as pool:
@@ -164,6 +179,7 @@ class PodScraper:
             if error is not None:
                 errors.append(f"{url}/metrics: {error}")
             else:
+                assert text is not None  # a scrape without an error has its text
                 self.history.setdefault(url, deque(maxlen=MAX_SCRAPES_PER_POD)).append(parse_scrape(text, now))
         return errors
 

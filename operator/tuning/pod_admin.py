@@ -13,7 +13,6 @@ import httpx
 from iterserve.common.wire import ADMIN_SCHEDULER_PATH, KNOB_NAMES
 
 
-
 class PodCallError(Exception):
     """A call to one pod's admin API failed; `status` is the HTTP status when the pod answered."""
 

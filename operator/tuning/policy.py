@@ -121,7 +121,7 @@ class TuningPolicy:
         """The share of an SLO a p99 must stay under to count as having headroom: 1 - headroom."""
         return 1 - self.headroom
 
-    def replace(self, **changes) -> "TuningPolicy":
+    def replace(self, **changes) -> TuningPolicy:
         return dataclasses.replace(self, **changes)
 
 

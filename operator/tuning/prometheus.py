@@ -11,14 +11,25 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Sequence
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import httpx
 
 from iterserve.operator.tuning.observation import (
-    GENERATION_TOKENS, HTTP_RESPONSES, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME, REQUESTS, RUNNING,
-    STEP_FAILURES, TTFT, WAITING, Observation,
+    GENERATION_TOKENS,
+    HTTP_RESPONSES,
+    ITL,
+    KV_USAGE,
+    PREEMPTIONS,
+    PROMPT_TOKENS,
+    QUEUE_TIME,
+    REQUESTS,
+    RUNNING,
+    STEP_FAILURES,
+    TTFT,
+    WAITING,
+    Observation,
 )
 
 

@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from iterserve.operator.tuning.actions import ROLLBACK
 from iterserve.operator.tuning.decision import Condition
@@ -97,6 +98,13 @@ class Tick:
     @property
     def n(self) -> int:
         return self.fleet.replicas
+
+    @property
+    def seen(self) -> Observation:
+        """The window's observation, for the rules that act on pressure or headroom (only an observed
+        window sets either)."""
+        assert self.fleet.obs is not None
+        return self.fleet.obs
 
     @cached_property
     def queue(self) -> tuple[tuple[float, float], ...]:
@@ -178,7 +186,7 @@ class Tick:
               goal: int | None = None) -> ScaleDecision:
         # headroom outlives a scale-in (the next one needs only a window measured after it, and the load
         # to fit one pod fewer again), not a scale-out
-        learned = {} if capacity is None else {"capacity": capacity, "capacity_knobs": self.fleet.knobs}
+        learned: dict[str, Any] = {} if capacity is None else {"capacity": capacity, "capacity_knobs": self.fleet.knobs}
         st = dataclasses.replace(self.s, last_scale_time=self.now, last_direction=action, pressure_since=None,
                                  headroom_since=self.s.headroom_since if action == SCALE_IN else None,
                                  queue=(), starting=action == SCALE_OUT,
@@ -275,16 +283,19 @@ def scale_out(t: Tick) -> ScaleDecision | None:
         return None
     n, target, why = t.n, t.n + 1, []
     if t.growth is not None:
-        rate = f.obs.request_rate
-        drain = f.obs.queued / p.settle_s if p.settle_s > 0 else 0.0
+        rate = t.seen.request_rate
+        drain = t.seen.queued / p.settle_s if p.settle_s > 0 else 0.0
         need = math.ceil(n * (rate + t.growth + drain) / rate) if rate > 0 else n + 1
         target = max(target, need)
         why.append(f"the waiting queue grew {t.growth:.2f} requests/s over {p.queue_windows} readings "
                    f"while {rate:.2f} requests/s finished")
     if t.exhausted:
-        target = max(target, n + math.ceil(n * (min(f.reading.score, p.max_factor) - 1)))
-        why.append(f"SLO breached with no better knob setting ({f.verdict.reason if not f.knobs_fixed else 'observe mode'}"
-                   f"{', rolled back' if f.tuner_action == ROLLBACK else ''}): {f.reading.text}")
+        reading = f.reading
+        assert reading is not None  # exhausted only on a reading
+        target = max(target, n + math.ceil(n * (min(reading.score, p.max_factor) - 1)))
+        verdict = f.verdict.reason if not f.knobs_fixed else 'observe mode'
+        why.append(f"SLO breached with no better knob setting ({verdict}"
+                   f"{', rolled back' if f.tuner_action == ROLLBACK else ''}): {reading.text}")
     goal, target = min(target, p.max_replicas), min(target, t.step_limit(n))
     reason = "; ".join(why)
     if target <= n:
@@ -308,14 +319,14 @@ def scale_in(t: Tick) -> ScaleDecision | None:
         left = p.scale_down_window_s - (t.now - s.headroom_since)
         return t.stay(f"headroom, scale-down stabilization window has {left:.0f} s left")
     fit = 1 - p.margin
-    rate = f.obs.request_rate / (n - 1)
+    rate = t.seen.request_rate / (n - 1)
     if s.capacity is not None and rate > fit * s.capacity:
         return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {n - 1} pods would pass "
                       f"{fit:.0%} of the {s.capacity:.2f} one pod carries within the SLO")
     if s.proven is not None and rate > s.proven / fit:
         return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {n - 1} pods is more than "
                       f"{1 / fit:.0%} of the {s.proven:.2f} a pod has been seen to carry within the SLO")
-    busy = (f.obs.running + f.obs.queued) / (n - 1)
+    busy = (t.seen.running + t.seen.queued) / (n - 1)
     if f.batch_cap and busy > fit * f.batch_cap:
         return t.stay(f"headroom, but {busy:.1f} requests in flight per pod over {n - 1} pods would pass "
                       f"{fit:.0%} of max_num_seqs {f.batch_cap}")

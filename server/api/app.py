@@ -22,8 +22,15 @@ from iterserve.server.api import admin
 from iterserve.server.api import tokenize as tokenizing
 from iterserve.server.api.body_limit import BodyLimit
 from iterserve.server.api.errors import APIError, install_error_handlers
-from iterserve.server.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, KnobsPatch,
-                                           TokenizeCompletionRequest, openapi_body, parse_body)
+from iterserve.server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    KnobsPatch,
+    TokenizeCompletionRequest,
+    openapi_body,
+    parse_body,
+)
 from iterserve.server.api.response_counter import ResponseCounter
 from iterserve.server.api.responses import chat_body, completion_body, stream_events
 from iterserve.server.api.serving import ServerState, collect, prepare_in_pool, start
@@ -49,7 +56,8 @@ def create_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible continuous-batching LLM server")
     app.state.iterserve = state
     install_error_handlers(app)
-    on_body_timeout = (lambda: state.metrics.observe_cutoff("body_timeout")) if state.metrics else None
+    cutoffs = state.metrics
+    on_body_timeout = (lambda: cutoffs.observe_cutoff("body_timeout")) if cutoffs else None
     app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes, timeout=state.limits.body_timeout,
                        on_timeout=on_body_timeout)
     app.add_middleware(ResponseCounter, metrics=state.metrics)  # added last: the outermost

@@ -14,6 +14,7 @@ The body's own deadline is `BodyLimit`'s, which can still answer (408).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -29,8 +30,8 @@ def guarded_h11_protocol(header_timeout: float, stall_timeout: float,
     with "header_timeout" or "stall_timeout" for each connection cut."""
 
     class GuardedH11Protocol(H11Protocol):
-        _head_timer = None
-        _stall_timer = None
+        _head_timer: asyncio.TimerHandle | None = None
+        _stall_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -41,7 +42,8 @@ def guarded_h11_protocol(header_timeout: float, stall_timeout: float,
             if self.conn.their_state is h11.IDLE:  # part of a head so far
                 self._arm_head_timer()
             else:
-                self._head_timer = _cancel(self._head_timer)
+                _cancel(self._head_timer)
+                self._head_timer = None
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -50,11 +52,14 @@ def guarded_h11_protocol(header_timeout: float, stall_timeout: float,
 
         def resume_writing(self) -> None:
             super().resume_writing()
-            self._stall_timer = _cancel(self._stall_timer)
+            _cancel(self._stall_timer)
+            self._stall_timer = None
 
         def connection_lost(self, exc) -> None:
-            self._head_timer = _cancel(self._head_timer)
-            self._stall_timer = _cancel(self._stall_timer)
+            _cancel(self._head_timer)
+            self._head_timer = None
+            _cancel(self._stall_timer)
+            self._stall_timer = None
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:
@@ -75,7 +80,7 @@ def guarded_h11_protocol(header_timeout: float, stall_timeout: float,
             self.transport.abort()
 
         def _cut(self, reason: str, why: str) -> None:
-            client = "%s:%d" % self.client if self.client else "a client"
+            client = "{}:{}".format(*self.client) if self.client else "a client"
             logger.info("closed the connection of %s: %s", client, why)
             if on_cutoff is not None:
                 on_cutoff(reason)
@@ -83,7 +88,6 @@ def guarded_h11_protocol(header_timeout: float, stall_timeout: float,
     return GuardedH11Protocol
 
 
-def _cancel(timer) -> None:
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
     if timer is not None:
         timer.cancel()
-    return None

@@ -35,7 +35,8 @@ CUTOFF_REASONS = ("header_timeout", "body_timeout", "stall_timeout", "reader_beh
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
-    buckets, scale = [], 1
+    buckets: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_value:

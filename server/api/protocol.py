@@ -2,7 +2,8 @@
 
 Scalars are strict (`"5"` is not an integer, `true` is not a number) and unknown fields are refused:
 a silently ignored parameter is a wrong answer the client cannot see. A field that OpenAI clients send
-by default but this server does not implement (echo) is accepted only at its neutral value. Text must be valid Unicode (a lone surrogate or an undecodable byte is refused, naming the field).
+by default but this server does not implement (echo) is accepted only at its neutral value. Text must be valid Unicode
+(a lone surrogate or an undecodable byte is refused, naming the field).
 Counts that would cost the server work out of proportion to a request (prompts, messages, stop token ids)
 are capped here; range checks that depend on the model or the deployment (max_tokens against
 max_model_len, total prompt tokens) live in `serving`.
@@ -13,11 +14,20 @@ Bodies are parsed by `parse_body`, off the event loop, rather than by FastAPI on
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 def _number(value):
@@ -139,7 +149,7 @@ def _prompt_count(value):
 
 
 class CompletionRequest(_Common):
-    prompt: Annotated[Union[Str, TokenIds, list[Str], list[TokenIds]], BeforeValidator(_prompt_count)]
+    prompt: Annotated[Str | TokenIds | list[Str] | list[TokenIds], BeforeValidator(_prompt_count)]
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = Field(default=False, description="only false is supported")
 
@@ -276,7 +286,7 @@ def parse_body(model: type[Body], body: bytes, content_type: str | None) -> Body
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        errors = [{**err, "loc": ("body", *err["loc"])}
+        errors: list[dict[str, Any]] = [{**err, "loc": ("body", *err["loc"])}
                   for err in e.errors(include_url=False, include_input=False, include_context=False)]
         # a union (prompt, stop, content) reports every branch it tried: what is wrong with the value
         # (invalid Unicode, too many items) says more than "should be a list" from a branch that never fit

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from iterserve.server.api.output_stream import StalledReaderError
 from iterserve.server.api.serving import Job, ServerState, job_outputs
@@ -110,7 +111,8 @@ def _tool_chunks(stream: ToolCallStream, out: RequestOutput, logprobs: dict | No
     deltas = stream.feed(out.new_text) + (stream.finish() if out.finished else [])
     if not deltas and (logprobs is not None or finish):
         deltas = [{}]
-    parts = [{"delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None} for d in deltas]
+    parts: list[dict[str, Any]] = [{"delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                                   for d in deltas]
     if parts:
         parts[0]["logprobs"] = logprobs
         if finish:

@@ -19,18 +19,21 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from iterserve.server.api.errors import APIError, from_invalid_request
 from iterserve.server.api.limits import ServerLimits
 from iterserve.server.api.output_stream import merged_outputs
-from iterserve.server.api.protocol import (MAX_CHOICES, SEED_MAX, ChatCompletionRequest, CompletionRequest,
-                                           parse_body)
+from iterserve.server.api.protocol import MAX_CHOICES, SEED_MAX, ChatCompletionRequest, CompletionRequest, parse_body
 from iterserve.server.api.tool_calls import ToolPlan, plan_tools, template_messages, template_tools
 from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.engine.structured_output import StructuredOutput
 from iterserve.server.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # prometheus_client only where metrics are on
+    from iterserve.server.api.metrics import Metrics
 
 
 def _prep_pool() -> ThreadPoolExecutor:
@@ -52,7 +55,7 @@ class ServerState:
     tool_call_parser: str = "auto"  # auto: chosen from the chat template (tool_parsers.detect_parser)
     draining: bool = False
     drain_started: float | None = None
-    metrics: object | None = None  # api.metrics.Metrics
+    metrics: Metrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     prep_pool: ThreadPoolExecutor = field(default_factory=_prep_pool)
 
@@ -95,7 +98,8 @@ def check_admission(state: ServerState, job: Job) -> None:
     waiting = state.engine.snapshot()["num_waiting"]
     if waiting + len(job.choices) > state.max_queue:
         raise APIError(429, f"the waiting queue is full ({waiting} of {state.max_queue} sequences wait; this "
-                       f"request adds {len(job.choices)}); retry later", code="queue_full", headers={"Retry-After": "1"})
+                       f"request adds {len(job.choices)}); retry later", code="queue_full",
+                       headers={"Retry-After": "1"})
 
 
 async def prepare_in_pool(state: ServerState, body: bytes, content_type: str | None, chat: bool) -> Job:
@@ -134,6 +138,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
                        param="top_logprobs", code="invalid_value")
     tokenizer = state.engine.tokenizer
     text = render_chat(state, req.messages, add_generation_prompt=True, tools=req.tools)
+    assert tokenizer is not None  # render_chat refused a model without one
     tools = plan_tools(req, tokenizer.chat_template, state.tool_call_parser)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # the template already writes any BOS it wants: adding special tokens again would double it
@@ -331,9 +336,10 @@ def job_outputs(state: ServerState, job: Job, queues: list[asyncio.Queue]) -> As
     """(choice index, output) for every choice of a started job, in the order they arrive; closing it
     aborts every choice not yet finished (`output_stream.merged_outputs`)."""
     on_stall = None
-    if state.metrics is not None:
+    metrics = state.metrics
+    if metrics is not None:
         def on_stall() -> None:
-            state.metrics.observe_cutoff("reader_behind")
+            metrics.observe_cutoff("reader_behind")
     return merged_outputs(state.engine, job.choices, queues, state.limits.max_buffered_tokens, on_stall)
 
 

@@ -9,8 +9,7 @@ import json
 from importlib import metadata
 
 from iterserve.server.api.errors import APIError
-from iterserve.server.api.protocol import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
-                                           parse_body)
+from iterserve.server.api.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse_body
 from iterserve.server.api.serving import ServerState, check_model, render_chat
 
 
@@ -28,7 +27,11 @@ async def in_pool(state: ServerState, fn, *args):
 def tokenize(state: ServerState, body: bytes, content_type: str | None) -> dict:
     tokenizer = _tokenizer(state, "prompt")
     # the body's keys say which request it is, as in vLLM's union of the two
-    req = parse_body(TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest, body, content_type)
+    req: TokenizeChatRequest | TokenizeCompletionRequest
+    if _has_messages(body):
+        req = parse_body(TokenizeChatRequest, body, content_type)
+    else:
+        req = parse_body(TokenizeCompletionRequest, body, content_type)
     check_model(state, req.model)
     if isinstance(req, TokenizeChatRequest):
         text = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt,

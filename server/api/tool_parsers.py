@@ -88,7 +88,8 @@ def _loads(text: str):
 
 def _all_or_none(calls: list[ParsedCall | None]) -> list[ParsedCall] | None:
     # one malformed call makes the whole output text: half of the calls would be a wrong answer
-    return calls if calls and all(c is not None for c in calls) else None
+    present = [c for c in calls if c is not None]
+    return present if calls and len(present) == len(calls) else None
 
 
 def parse_hermes(text: str) -> list[ParsedCall] | None:

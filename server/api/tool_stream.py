@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 
 from iterserve.server.api.tool_calls import ToolPlan, call_id
+from iterserve.server.api.tool_parsers import Parser
 
 # the head of one forced call: the grammar's property order and compact separators make it literal
 _FORCED_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]+)","parameters":')
@@ -47,6 +48,12 @@ class ToolCallStream:
             return []
         return self._auto(final=True)
 
+    @property
+    def _parser(self) -> Parser:
+        """auto mode's parser: plan_tools plans auto only for a family whose parser it knows."""
+        assert self.plan.parser is not None
+        return self.plan.parser
+
     def finish_reason(self, reason: str | None) -> str | None:
         # OpenAI: "tool_calls" when the model stopped after calling; a call cut by max_tokens stays "length"
         return "tool_calls" if self.num_calls and reason == "stop" else reason
@@ -62,11 +69,12 @@ class ToolCallStream:
         return {"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": piece}}]}
 
     def _named(self, text: str) -> list[dict]:
+        assert self.plan.function is not None  # named mode names its function
         deltas = [self._header(self.plan.function)] if not self.num_calls else []
         return deltas + ([self._arguments(text)] if text else [])
 
     def _required(self) -> list[dict]:
-        deltas = []
+        deltas: list[dict] = []
         while True:
             if not self._in_args:
                 head = _FORCED_HEAD.search(self.text, self._at)
@@ -108,14 +116,14 @@ class ToolCallStream:
         return False
 
     def _auto(self, final: bool) -> list[dict]:
-        parser = self.plan.parser
+        parser = self._parser
         if self._calls_from is None:
             self._find_calls(final)
         if self._calls_from is None:  # all text: send what cannot be the start of a marker
             end = len(self.text) if final else len(self.text) - self._held_back()
             piece, self._at = self.text[self._at:end], max(self._at, end)
             return [{"content": piece}] if piece else []
-        deltas = []
+        deltas: list[dict] = []
         if self._at < self._calls_from:
             deltas.append({"content": self.text[self._at:self._calls_from]})
             self._at = self._calls_from
@@ -129,7 +137,7 @@ class ToolCallStream:
         return deltas
 
     def _find_calls(self, final: bool) -> None:
-        parser = self.plan.parser
+        parser = self._parser
         if parser.opens and not self.text[:self._at].strip():
             stripped = self.text.lstrip()
             if stripped.startswith(parser.opens):
@@ -141,7 +149,7 @@ class ToolCallStream:
 
     def _held_back(self) -> int:
         """How much of the text's end could still become a start marker (or opening JSON)."""
-        parser = self.plan.parser
+        parser = self._parser
         if parser.opens and not self.text.strip():
             return len(self.text) - self._at  # only whitespace so far: a call may still open
         for n in range(min(len(self.text), max(len(m) for m in parser.markers)), 0, -1):

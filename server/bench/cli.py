@@ -95,14 +95,15 @@ def config_from_args(args: argparse.Namespace):
         output_len=parse_length(args.output_len, "--output-len") if args.output_len else None,
         max_model_len=args.max_model_len, ignore_eos=not args.no_ignore_eos, tokenizer_path=args.tokenizer,
         prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, num_turns=args.num_turns)
-    concurrency, rate, sweep = args.concurrency, _rate(args.rate), ()
+    concurrency, rate = args.concurrency, _rate(args.rate)
+    sweep: tuple[float, ...] = ()
     if args.sweep:
         name, sep, values = args.sweep.partition("=")
         if not sep or name not in SWEEP_PARAMS:
             raise ValueError(f"--sweep: write concurrency=1,4,16 or rate=1,2,4, got {args.sweep!r}")
         if concurrency is not None or rate is not None:
             raise ValueError("--sweep sets the load itself: drop --concurrency/--rate")
-        sweep = tuple(_rate(v) for v in values.split(","))
+        sweep = tuple(_rate_value(v) for v in values.split(","))
         if name == "concurrency":
             concurrency = int(sweep[0])
         else:
@@ -122,8 +123,10 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _rate(text: str | None) -> float | None:
-    if text is None:
-        return None
+    return None if text is None else _rate_value(text)
+
+
+def _rate_value(text: str) -> float:
     try:
         value = float(text)
     except ValueError:

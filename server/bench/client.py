@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import httpx
 
@@ -59,7 +60,7 @@ class RequestRecord:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "RequestRecord":
+    def from_json(cls, d: dict) -> RequestRecord:
         return cls(**d)
 
 
@@ -92,7 +93,7 @@ class Target:
 
 
 def build_body(target: Target, spec: RequestSpec) -> dict:
-    body = {"model": target.model, "max_tokens": spec.max_tokens, "temperature": target.temperature,
+    body: dict[str, Any] = {"model": target.model, "max_tokens": spec.max_tokens, "temperature": target.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if target.continuous_usage:
         body["stream_options"]["continuous_usage_stats"] = True
@@ -225,8 +226,9 @@ async def probe_target(client: httpx.AsyncClient, target: Target, spec: RequestS
         if record.error_kind != "http" or record.status not in (400, 422):
             raise BenchError(f"the first request to {target.url}{target.path} failed: {record.error}")
         refused = [attr for name, attr in OPTIONAL_FEATURES.items()
-                   if name in record.error and getattr(target, attr)]
+                   if name in (record.error or "") and getattr(target, attr)]
         if not refused:
             raise BenchError(f"{target.url}{target.path} refused the request: {record.error}")
-        target = replace(target, **{refused[0]: False})
+        off: dict[str, Any] = {refused[0]: False}
+        target = replace(target, **off)
     raise BenchError(f"{target.url}{target.path} refused every request shape tried")

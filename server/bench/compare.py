@@ -8,8 +8,12 @@ when the workload or the load differs, since each of those moves every figure on
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from iterserve.server.bench.result import BenchResult
+
+if TYPE_CHECKING:  # rich is imported where the table is drawn
+    from rich.console import JustifyMethod
 
 # (label, path into a run's summary or server figures, True when higher is better)
 FIGURES = (
@@ -102,8 +106,9 @@ def render(a: BenchResult, b: BenchResult, name_a: str, name_b: str, console) ->
 
     settings = differences(a.server.get("settings", {}), b.server.get("settings", {}))
     table = Table(title=f"A = {name_a}    B = {name_b}")
-    for col, justify in (("load", "left"), ("figure", "left"), ("A", "right"), ("B", "right"),
-                         ("B/A", "right"), ("better", "center")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("load", "left"), ("figure", "left"), ("A", "right"),
+                                                     ("B", "right"), ("B/A", "right"), ("better", "center"))
+    for col, justify in columns:
         table.add_column(col, justify=justify)
     for level, label, va, vb, r, better in rows(a, b):
         table.add_row(level, label, _fmt(va), _fmt(vb), "-" if r is None else f"{r:.3f}", better)

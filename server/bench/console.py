@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichBar
 from rich.table import Table
 
@@ -30,7 +30,7 @@ class BarProgress(Progress):
         self.bar = RichBar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                            TimeElapsedColumn(), TextColumn("{task.fields[errors]} failed"), console=console,
                            transient=False)
-        self.task = None
+        self.task: TaskID | None = None
         self.errors = 0
 
     def start_run(self, label: str, total: int | None) -> None:
@@ -43,6 +43,7 @@ class BarProgress(Progress):
 
     def finish_request(self, record: RequestRecord) -> None:
         self.errors += not record.ok
+        assert self.task is not None  # requests finish only in a run start_run began
         self.bar.update(self.task, advance=1, errors=self.errors)
 
     def close(self) -> None:

@@ -31,8 +31,15 @@ from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
-from iterserve.server.bench.client import (BenchError, RequestRecord, Target, fetch_models, probe_target,
-                                           run_clock, stream_request)
+from iterserve.server.bench.client import (
+    BenchError,
+    RequestRecord,
+    Target,
+    fetch_models,
+    probe_target,
+    run_clock,
+    stream_request,
+)
 from iterserve.server.bench.metrics_scraper import MetricsScraper, knob_values, summarize_scrapes
 from iterserve.server.bench.result import BenchResult, RunResult
 from iterserve.server.bench.workload import RequestSpec, WorkloadSpec, generate_requests
@@ -88,7 +95,9 @@ class BenchConfig:
             raise ValueError("; ".join(problems))
 
     def loads(self) -> list[dict]:
-        values = self.sweep or (self.concurrency if self.concurrency is not None else self.rate,)
+        one = self.concurrency if self.concurrency is not None else self.rate
+        assert one is not None  # __post_init__ refused a config without exactly one of them
+        values = self.sweep or (one,)
         if self.concurrency is not None:
             return [{"concurrency": int(v)} for v in values]
         return [{"rate": json_number(float(v)), "burstiness": self.burstiness} for v in values]
@@ -235,6 +244,7 @@ async def _run_level(client, config: BenchConfig, target: Target, workload: Work
         if in_flight:
             await asyncio.wait(set(in_flight))
 
+    main: asyncio.Future
     if "concurrency" in run.load:
         main = asyncio.gather(*(closed_loop_worker() for _ in range(run.load["concurrency"])))
     else:

@@ -54,7 +54,7 @@ def plot_timeline(result: BenchResult, path: Path) -> Path:
         itl_ms = [1000 * g for r in ok for g in report.itls(r)]
         ax.scatter(itl_t, itl_ms, s=3, alpha=0.35, label="ITL (at token arrival)")
         ax.scatter([r.start for r in ok if r.first_token is not None],
-                   [1000 * report.ttft(r) for r in ok if r.first_token is not None], s=14, marker="x",
+                   [1000 * ttft_s for r in ok if (ttft_s := report.ttft(r)) is not None], s=14, marker="x",
                    color="black", label="TTFT (at request start)")
         ax.set(ylabel="ms", title=run.label)
         ax.set_yscale("log")

@@ -69,7 +69,7 @@ def parse_slo(text: str) -> dict[str, float]:
 def meets_slo(r: RequestRecord, slo: dict[str, float]) -> dict[str, bool]:
     """Per SLO key: did this (successful) request meet it."""
     measured = {"ttft": ttft(r), "tpot": tpot(r), "e2e": e2e(r), "itl": max(itls(r), default=0.0)}
-    return {k: measured[k] is not None and measured[k] * 1000.0 <= limit for k, limit in slo.items()}
+    return {k: (v := measured[k]) is not None and v * 1000.0 <= limit for k, limit in slo.items()}
 
 
 def goodput(records: list[RequestRecord], slo: dict[str, float], duration: float) -> dict | None:

@@ -36,7 +36,7 @@ class RunResult:
                 "records": [r.to_json() for r in self.records]}
 
     @classmethod
-    def from_json(cls, d: dict) -> "RunResult":
+    def from_json(cls, d: dict) -> RunResult:
         return cls(label=d["label"], load=d["load"], interrupted=d.get("interrupted", False),
                    server=d.get("server_metrics"), records=[RequestRecord.from_json(r) for r in d["records"]])
 
@@ -60,7 +60,7 @@ class BenchResult:
                 "runs": [run.to_json(self.slo) for run in self.runs]}
 
     @classmethod
-    def from_json(cls, d: dict) -> "BenchResult":
+    def from_json(cls, d: dict) -> BenchResult:
         if d.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"not an iterserve bench result (format_version {d.get('format_version')!r})")
         return cls(config=d["config"], server=d.get("server", {}), started_at=d.get("started_at", ""),

@@ -120,7 +120,8 @@ class BlockManager:
             if table:
                 raise RuntimeError(f"allocate({request_id!r}): cached blocks for a request that holds blocks")
             if not self.can_allocate(request_id, num_tokens, cached):
-                raise RuntimeError(f"allocate({request_id!r}, {num_tokens}) does not fit from {len(cached)} cached blocks")
+                raise RuntimeError(f"allocate({request_id!r}, {num_tokens}) does not fit from "
+                                   f"{len(cached)} cached blocks")
             self.pool.share(cached)
             table.extend(cached)
             self._num_registered[request_id] = len(cached)

@@ -79,7 +79,9 @@ class BlockPool:
                 block = self._uncached.popleft()
             else:
                 block, _ = self._cached_free.popitem(last=False)
-                del self._by_hash[self.block_hashes[block]]
+                block_hash = self.block_hashes[block]
+                assert block_hash is not None  # a cached free block keeps its hash until reused here
+                del self._by_hash[block_hash]
                 self.block_hashes[block] = None
                 self.num_evictions += 1
             self.ref_counts[block] = 1

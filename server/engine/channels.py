@@ -36,7 +36,7 @@ class ZmqChannel:
     def receive(self, timeout: float) -> list:
         if not self._poller.poll(int(timeout * 1000)):
             return []
-        messages = []
+        messages: list = []
         while True:
             try:
                 frame = self._receive.recv(zmq.NOBLOCK, copy=False)
@@ -55,9 +55,10 @@ class QueueChannel:
         self._outbox, self._inbox = outbox, inbox
 
     @classmethod
-    def pair(cls) -> tuple["QueueChannel", "QueueChannel"]:
+    def pair(cls) -> tuple[QueueChannel, QueueChannel]:
         """Two connected ends: what one sends, the other receives."""
-        a, b = queue.SimpleQueue(), queue.SimpleQueue()
+        a: queue.SimpleQueue = queue.SimpleQueue()
+        b: queue.SimpleQueue = queue.SimpleQueue()
         return cls(a, b), cls(b, a)
 
     def send(self, message) -> None:

@@ -24,8 +24,8 @@ from iterserve.server.engine.grammar_manager import GrammarManager
 from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
 from iterserve.server.engine.outputs import CoreOutput
 from iterserve.server.engine.request import Request, RequestStatus
-from iterserve.server.errors import InvalidRequestError
 from iterserve.server.engine.scheduler import Scheduler, SchedulerOutput
+from iterserve.server.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the engine does not import the runner: the runner is handed in
     from iterserve.server.runner.sampler import ModelRunnerOutput

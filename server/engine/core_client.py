@@ -24,6 +24,7 @@ import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -31,13 +32,28 @@ from iterserve.server.config import EngineConfig
 from iterserve.server.engine.channels import QueueChannel, ZmqChannel
 from iterserve.server.engine.input_processor import InputProcessor
 from iterserve.server.engine.knobs import SchedulerKnobs, validate_change
-from iterserve.server.engine.messages import (Abort, AddRequest, FromCore, KnobsReply, PrefixCacheReset, Ready,
-                                              ResetPrefixCache, Shutdown, StartupFailed, StepFailed, StepReport,
-                                              UpdateKnobs)
+from iterserve.server.engine.messages import (
+    Abort,
+    AddRequest,
+    FromCore,
+    KnobsReply,
+    PrefixCacheReset,
+    Ready,
+    ResetPrefixCache,
+    Shutdown,
+    StartupFailed,
+    StepFailed,
+    StepReport,
+    UpdateKnobs,
+)
 from iterserve.server.engine.output_processor import OutputProcessor
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # torch and the tokenizer libraries are the core's, not imported here at run time
+    from iterserve.server.engine.core import EngineCore
+    from iterserve.server.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("iterserve.engine")
 
@@ -69,7 +85,9 @@ class EngineClient:
         self.config = config
         self.in_process = in_process
         self.log_level = log_level
-        self.core = None  # the EngineCore itself, in-process only
+        self.core: EngineCore | None = None  # the EngineCore itself, in-process only
+        self.tokenizer: Tokenizer | None = None  # None: a dummy model without tokenizer.json
+        self._channel: QueueChannel | ZmqChannel  # set by start()
         self.step_observers: list[Callable[[StepInfo], None]] = []
         self.num_step_failures = 0
         self.cpu_kernels: dict[str, bool] = {}  # from the core's Ready: C++ CPU kernel -> serving
@@ -103,7 +121,7 @@ class EngineClient:
         self._receiver = threading.Thread(target=self._receive_loop, name="iterserve-engine-client", daemon=True)
         self._receiver.start()
 
-    def _start_thread_core(self) -> tuple[Ready, object]:
+    def _start_thread_core(self) -> tuple[Ready, Tokenizer | None]:
         from iterserve.server.engine.core_proc import EngineCoreLoop, ready_message
         from iterserve.server.engine.engine_factory import build_engine_core
 
@@ -115,7 +133,7 @@ class EngineClient:
         self._core_thread.start()
         return ready_message(built, loop.snapshot()), built.tokenizer
 
-    def _start_process_core(self) -> tuple[Ready, object]:
+    def _start_process_core(self) -> tuple[Ready, Tokenizer | None]:
         from iterserve.server.engine.core_proc import raise_startup_failure
         from iterserve.server.engine.engine_factory import load_config_tokenizer
 
@@ -269,7 +287,8 @@ class EngineClient:
         s = self._snapshot
         return {"num_running": s.num_running, "num_waiting": max(0, self.num_in_flight - s.num_running),
                 "kv_cache_usage": s.kv_cache_usage,
-                "kv_cache_cached_free": s.kv_cache_cached_free, "kv_waste": s.kv_waste, "num_preemptions": s.num_preemptions,
+                "kv_cache_cached_free": s.kv_cache_cached_free, "kv_waste": s.kv_waste,
+                "num_preemptions": s.num_preemptions,
                 "knobs": self.knobs, "num_knob_changes": s.num_knob_changes, "num_steps": s.num_steps,
                 "num_generated_tokens": s.num_generated_tokens, "num_step_failures": self.num_step_failures}
 

@@ -20,9 +20,22 @@ import time
 import msgspec
 
 from iterserve.server.engine.core import EngineCore
-from iterserve.server.engine.messages import (Abort, AddRequest, KnobsReply, PrefixCacheReset, Ready,
-                                              ResetPrefixCache, Shutdown, Snapshot, StartupFailed, StepFailed,
-                                              StepReport, StepStats, ToCore, UpdateKnobs)
+from iterserve.server.engine.messages import (
+    Abort,
+    AddRequest,
+    KnobsReply,
+    PrefixCacheReset,
+    Ready,
+    ResetPrefixCache,
+    Shutdown,
+    Snapshot,
+    StartupFailed,
+    StepFailed,
+    StepReport,
+    StepStats,
+    ToCore,
+    UpdateKnobs,
+)
 from iterserve.server.engine.request import Request
 from iterserve.server.errors import InvalidRequestError
 

@@ -7,10 +7,10 @@ import atexit
 import gc
 import logging
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-
-from dataclasses import dataclass
 
 from iterserve.server.config import EngineConfig, parse_memory
 from iterserve.server.engine.core import EngineCore
@@ -21,6 +21,9 @@ from iterserve.server.model.cpu_linear import cpu_has_native_bf16
 from iterserve.server.model.loader import load_model
 from iterserve.server.runner.backends import resolve_backend_name
 from iterserve.server.runner.model_runner import ModelRunner
+
+if TYPE_CHECKING:  # the tokenizer libraries load with the first tokenizer
+    from iterserve.server.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("iterserve.engine")
 
@@ -72,7 +75,7 @@ def _free_memory_bytes(device: torch.device) -> int:
 @dataclass
 class BuiltCore:
     core: EngineCore
-    tokenizer: object | None
+    tokenizer: Tokenizer | None
     vocab_size: int
     kv_cache_report: str
     cpu_kernels: dict[str, bool]  # ModelRunner.cpu_kernels

@@ -19,10 +19,14 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from iterserve.server.engine.structured_output import StructuredOutput, grammar_text
+
+if TYPE_CHECKING:  # xgrammar loads with the first grammar
+    import xgrammar
 
 logger = logging.getLogger("iterserve.grammar")
 
@@ -45,8 +49,8 @@ class GrammarManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iterserve-grammar")
         self._compiler = None  # built in the pool on first use (reading the vocabulary takes ~1 s)
         self._compiling: dict[str, Future] = {}  # request id -> its compiled grammar, until it has a matcher
-        self._matchers: dict[str, object] = {}  # request id -> xgrammar.GrammarMatcher
-        self._batch = None
+        self._matchers: dict[str, xgrammar.GrammarMatcher] = {}  # request id -> its matcher
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
 
     # -- requests --------------------------------------------------------------------------------
 

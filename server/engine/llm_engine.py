@@ -23,6 +23,8 @@ from iterserve.server.errors import InvalidRequestError
 
 
 class LLMEngine:
+    kv_cache_report: str = ""  # set by engine_factory.build_engine: the KV cache's size, for the log
+
     def __init__(self, model_runner, *, tokenizer, max_model_len: int, num_blocks: int, block_size: int,
                  knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(), vocab_size: int,
                  enable_prefix_caching: bool = True):
@@ -33,7 +35,7 @@ class LLMEngine:
         self._wrap(core, tokenizer, vocab_size)
 
     @classmethod
-    def from_core(cls, core: EngineCore, tokenizer, vocab_size: int) -> "LLMEngine":
+    def from_core(cls, core: EngineCore, tokenizer, vocab_size: int) -> LLMEngine:
         engine = cls.__new__(cls)
         engine._wrap(core, tokenizer, vocab_size)
         return engine

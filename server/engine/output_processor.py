@@ -35,7 +35,7 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
         # finished here by a stop string, not yet reported aborted by the core: their ids stay taken
@@ -57,6 +57,7 @@ class OutputProcessor:
         which the caller must abort in the engine core."""
         results: list[RequestOutput] = []
         to_abort: list[str] = []
+        stop_reason: int | str | None  # the core's stop token id, or the stop string matched here
         for out in outputs:
             state = self._states.get(out.request_id)
             if state is None:  # finished here already (a stop string); this is the core's abort

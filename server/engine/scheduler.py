@@ -22,8 +22,9 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from iterserve.server.engine.block_manager import BlockManager
 from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
@@ -242,9 +243,10 @@ class Scheduler:
             bisect.insort(self.waiting, req, key=_sort_key)
         aborted = []
         while self._abort_ids:
-            req = self._live.get(self._abort_ids.popleft())
-            if req is None:
+            live = self._live.get(self._abort_ids.popleft())
+            if live is None:
                 continue  # already finished, or never known
+            req = live
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             else:

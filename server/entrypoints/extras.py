@@ -24,7 +24,10 @@ def missing(extra: str) -> list[str]:
         requirement, _, marker = line.partition(";")
         if not re.search(rf"""extra\s*==\s*["']{re.escape(extra)}["']""", marker):
             continue
-        name = re.match(r"[A-Za-z0-9._-]+", requirement.strip()).group(0)
+        match = re.match(r"[A-Za-z0-9._-]+", requirement.strip())
+        if match is None:  # not a requirement line
+            continue
+        name = match.group(0)
         try:
             metadata.distribution(name)
         except metadata.PackageNotFoundError:

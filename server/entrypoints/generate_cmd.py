@@ -8,8 +8,8 @@ import logging
 import sys
 
 from iterserve.server.engine.sampling_params import SamplingParams
-from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
+from iterserve.server.errors import InvalidRequestError
 
 
 def register(sub) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from tqdm import tqdm
 
@@ -56,7 +57,7 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         if self.tokenizer is None:
             raise InvalidRequestError("messages", "this model has no tokenizer and so no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
         return self.generate(prompt_token_ids=[self.chat_prompt_ids(c) for c in conversations],
                              sampling_params=sampling_params, use_tqdm=use_tqdm)
 

@@ -38,7 +38,8 @@ def add_server_limit_args(parser: argparse.ArgumentParser) -> None:
 def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
     kind, size = parse_memory(args.max_request_bytes, "max_request_bytes")
     if kind == "fraction" or size != int(size):
-        raise InvalidRequestError("max_request_bytes", f"must be a whole number of bytes, got {args.max_request_bytes!r}")
+        raise InvalidRequestError("max_request_bytes",
+                                  f"must be a whole number of bytes, got {args.max_request_bytes!r}")
     return ServerLimits(max_request_bytes=int(size), max_prompt_tokens=args.max_prompt_tokens_per_request,
                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                         keep_alive_timeout=args.keep_alive_timeout, stall_timeout=args.stall_timeout)

@@ -21,10 +21,10 @@ import time
 
 from iterserve.common import wire
 from iterserve.server.api.tool_parsers import PARSERS
-from iterserve.server.errors import InvalidRequestError
 from iterserve.server.entrypoints import admin_listener
 from iterserve.server.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from iterserve.server.entrypoints.serve_args import add_server_limit_args, check_secrets, server_limits_from_args
+from iterserve.server.errors import InvalidRequestError
 
 logger = logging.getLogger("iterserve.server")
 
@@ -39,7 +39,8 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get(wire.API_KEY_ENV),
                    help=f"require `Authorization: Bearer KEY` on /v1 (default: env {wire.API_KEY_ENV})")
     p.add_argument("--admin-token", default=os.environ.get(wire.ADMIN_TOKEN_ENV),
-                   help=f"token for {wire.ADMIN_SCHEDULER_PATH} (default: env {wire.ADMIN_TOKEN_ENV}; unset: admin off)")
+                   help=f"token for {wire.ADMIN_SCHEDULER_PATH} "
+                        f"(default: env {wire.ADMIN_TOKEN_ENV}; unset: admin off)")
     p.add_argument("--admin-port", type=int, default=None,
                    help="serve /admin/* only on this port, on the same host (default: on --port)")
     p.add_argument("--max-queue", type=int, default=None,

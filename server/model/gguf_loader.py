@@ -141,7 +141,8 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, Any], path: str) -> tupl
     head_dim = metadata(reader, f"{arch}.attention.key_length") or hidden // heads
     rotary_dim = metadata(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
-        raise ValueError(f"model: {arch}.rope.dimension_count {rotary_dim} != head_dim {head_dim} (partial rotary) is not supported")
+        raise ValueError(f"model: {arch}.rope.dimension_count {rotary_dim} != head_dim {head_dim} "
+                         "(partial rotary) is not supported")
     if "token_embd.weight" not in tensors:
         raise ValueError(f"model: GGUF file {path} is missing tensor token_embd.weight")
     vocab = metadata(reader, f"{arch}.vocab_size") or int(tensors["token_embd.weight"].shape[1])

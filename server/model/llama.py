@@ -60,8 +60,9 @@ class Attention(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         # Passed only by the layers that need them, so every other layer keeps the kernels' fast path.
         self.attention_options: dict[str, float] = {}
-        if cfg.layer_window(layer):
-            self.attention_options["sliding_window"] = cfg.layer_window(layer)
+        window = cfg.layer_window(layer)
+        if window:
+            self.attention_options["sliding_window"] = window
         if cfg.attn_logit_softcapping:
             self.attention_options["softcap"] = cfg.attn_logit_softcapping
 
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:  # both or neither (cfg.qk_norm)
             # q and k heads are rotated together: half the small ops of rotating each
             qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         else:
@@ -100,7 +101,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, rope, attention_fn, layer_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer_ops)
+        self.mlp: nn.Module = MLP(cfg, layer_ops)  # Gemma's layers put their own MLP here
         self.layer_ops = layer_ops
 
     def forward(self, x, residual, positions, kv_cache, meta):
@@ -126,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
         self.local_rope = RotaryEmbedding(cfg, max_positions, local=True) if cfg.local_rope_theta else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            self.decoder_layer(cfg, i, self.layer_rope(i), attention_fn, layer_ops) for i in range(cfg.num_hidden_layers)
+            self.decoder_layer(cfg, i, self.layer_rope(i), attention_fn, layer_ops)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied checkpoints reuse the embedding matrix; it is not registered twice, so moving the
@@ -164,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def pack_linears(self) -> None:
         """Run the LM head and every projection through oneDNN packed weights (CPU fp32, and bf16 where
-        the CPU has it natively; see server/model/cpu_linear.py). Call after the weights are loaded: the packed copies are made now.
+        the CPU has it natively; see server/model/cpu_linear.py). Call after the weights are loaded: the packed copies
+        are made now.
         The LM head may share the embedding's weight, so only the projections give their unpacked
         copies back."""
         self.packed_lm_head = PackedLinear(self._lm_head_weight())
@@ -212,7 +215,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"model: checkpoint is missing tensor {missing[0]!r}")
             value = self.checkpoint_value(name, torch.cat([weights[s] for s in sources]))
             if param.shape != value.shape:
-                raise ValueError(f"model: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+                raise ValueError(f"model: tensor {name!r} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(param.shape)}")
             param.copy_(value)
 
     @classmethod

@@ -101,7 +101,8 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: 
             raise ValueError(f"model: tensor {name} is missing from {where}")
         if tuple(weights[name].shape) != shape:
             raise ValueError(
-                f"model: tensor {name} in {where} has shape {tuple(weights[name].shape)}, expected {shape} from the config"
+                f"model: tensor {name} in {where} has shape {tuple(weights[name].shape)}, "
+                f"expected {shape} from the config"
             )
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
@@ -155,7 +156,8 @@ def _safetensors_files(path: str) -> list[str]:
         return [single]
     files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
-        raise ValueError(f"model: {path} has config.json but no .safetensors weights (.bin checkpoints are not supported)")
+        raise ValueError(f"model: {path} has config.json but no .safetensors weights "
+                         "(.bin checkpoints are not supported)")
     return files
 
 

@@ -8,7 +8,7 @@ is an explicit field, so the model code never has to look at the raw HF dict.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -189,9 +189,11 @@ def _architecture(d: dict[str, Any]) -> str:
     if not archs and d.get("model_type") in _MODEL_TYPE_TO_ARCH:
         archs = [_MODEL_TYPE_TO_ARCH[d["model_type"]]]
     if not archs:
-        raise ValueError(f"architectures: missing from the model config; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError("architectures: missing from the model config; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architectures: {archs[0]!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"architectures: {archs[0]!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return archs[0]
 
 
@@ -201,7 +203,7 @@ def _rope(d: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any] |
     `rope_theta` plus `rope_scaling` (whose key was once `type`, not `rope_type`), and Gemma 3's
     `rope_local_base_freq`."""
     params = dict(d.get("rope_parameters") or {})
-    local_theta = None
+    local_theta: float | None = None
     if architecture == "Gemma3ForCausalLM":
         local = params.pop("sliding_attention", None) or {}
         params = dict(params.pop("full_attention", None) or params)
@@ -210,7 +212,7 @@ def _rope(d: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any] |
             raise ValueError(f"rope_parameters.sliding_attention: rope_type {local['rope_type']!r} is not supported")
         params.setdefault("rope_theta", 1_000_000.0)  # Gemma3TextConfig's default global theta
     scaling = d.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    rope_theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+    rope_theta = cast(float, d.get("rope_theta", params.get("rope_theta", 10000.0)))
     if not isinstance(scaling, dict):
         raise ValueError(f"rope_scaling: expected an object or null, got {scaling!r}")
     scaling = dict(scaling)
@@ -260,7 +262,8 @@ def _sliding_window(d: dict[str, Any], architecture: str) -> int | None:
         return window
     if all(t == "full_attention" for t in layers):
         return None
-    raise ValueError("sliding_window: a sliding window on only some layers (max_window_layers/layer_types) is not supported")
+    raise ValueError("sliding_window: a sliding window on only some layers (max_window_layers/layer_types) "
+                     "is not supported")
 
 
 def _gemma_layer_types(d: dict[str, Any], architecture: str) -> tuple[str, ...] | None:
@@ -286,7 +289,7 @@ def _gemma_field(d: dict[str, Any], architecture: str, name: str, gemma2_default
 def _check_activation(d: dict[str, Any], architecture: str) -> None:
     if architecture in GEMMA_ARCHITECTURES:
         act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
-        expected = ("gelu_pytorch_tanh", "gelu_tanh")
+        expected: tuple[str, ...] = ("gelu_pytorch_tanh", "gelu_tanh")
     else:
         act, expected = d.get("hidden_act", "silu"), ("silu",)
     if act not in expected:

@@ -3,8 +3,6 @@ ModelConfig refuses names missing here, naming the architecture and listing thes
 
 from __future__ import annotations
 
-from torch import nn
-
 from iterserve.server.model.gemma import GemmaForCausalLM
 from iterserve.server.model.llama import LlamaForCausalLM
 from iterserve.server.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -26,5 +24,5 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     return MODEL_CLASSES[config.architecture]
 
 
-def build_model(config: ModelConfig, attention_fn, max_positions: int, layer_ops) -> nn.Module:
+def build_model(config: ModelConfig, attention_fn, max_positions: int, layer_ops) -> LlamaForCausalLM:
     return model_class(config)(config, attention_fn, max_positions, layer_ops)

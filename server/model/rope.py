@@ -80,6 +80,7 @@ def compute_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tenso
     s = {} if local else dict(cfg.rope_scaling or {})
     rope_type = s.get("rope_type", s.get("type", "default"))
     base, dim = (cfg.local_rope_theta if local else cfg.rope_theta), cfg.head_dim
+    assert base is not None  # local layers exist only where the config gave their theta (Gemma 3)
     inv_freq = _default_inv_freq(base, dim)
     if rope_type == "default":
         return inv_freq, 1.0
@@ -95,6 +96,9 @@ def compute_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tenso
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # [max_positions, head_dim] fp32 buffers, made by build_cache
+    sin_cache: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_positions: int, local: bool = False):
         super().__init__()
         self.config = cfg
@@ -124,6 +128,7 @@ class RotaryEmbedding(nn.Module):
             cos = self.cos_cache.index_select(0, positions).to(x.dtype).unsqueeze(1)
             sin = self.sin_cache.index_select(0, positions).to(x.dtype).unsqueeze(1)
             self._last_positions, self._last_cos_sin = positions, (cos, sin)
+        assert self._last_cos_sin is not None  # set with _last_positions
         cos, sin = self._last_cos_sin
         return x * cos + _rotate_half(x) * sin
 

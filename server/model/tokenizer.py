@@ -155,7 +155,10 @@ def _from_gguf(path: str) -> Tokenizer:
                          "gpt2 (byte-level BPE), llama (SentencePiece)")
     if not tokens:
         raise ValueError(f"model: {path} lacks tokenizer.ggml.tokens")
-    backend = _byte_level_backend(reader, tokens, path) if model == "gpt2" else sentencepiece_backend(reader, tokens, path)
+    if model == "gpt2":
+        backend = _byte_level_backend(reader, tokens, path)
+    else:
+        backend = sentencepiece_backend(reader, tokens, path)
     # Control tokens (<|im_start|>...) must match whole in text, not be split into bytes.
     token_types = metadata(reader, "tokenizer.ggml.token_type") or []
     backend.add_special_tokens(
@@ -208,7 +211,8 @@ def _pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
     if split is None:
         supported = sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE | _QWEN2_PRE)
         # Guessing would tokenize differently from how the model was trained, silently.
-        raise ValueError(f"model: tokenizer.ggml.pre {pre!r} in {path} is not supported; supported: {', '.join(supported)}")
+        raise ValueError(f"model: tokenizer.ggml.pre {pre!r} in {path} is not supported; "
+                         f"supported: {', '.join(supported)}")
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -260,7 +264,8 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])

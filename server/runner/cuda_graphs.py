@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,7 +82,7 @@ class StaticDecodeRunner:
         self.capture = capture
         rows = self.sizes[-1]
         self.width = -(-max_model_len // block_size)
-        ints = dict(dtype=torch.int32, device=device)
+        ints: dict[str, Any] = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = torch.full((rows,), -1, **ints)
@@ -91,7 +92,7 @@ class StaticDecodeRunner:
         # contexts are unknown when a graph is captured: splits are sized for the longest one
         self.num_splits = {b: choose_num_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None  # one memory pool shared by every bucket's graph
+        self.pool: Any = None  # one memory pool shared by every bucket's graph (torch's handle)
 
     def can_run(self, layout: StepLayout) -> bool:
         return is_decode_only(layout) and len(layout.num_new) <= self.sizes[-1]
@@ -100,6 +101,7 @@ class StaticDecodeRunner:
         """Hidden states [num_seqs, hidden] of a decode-only step (check can_run first)."""
         n = len(layout.num_new)
         bucket = bucket_for(n, self.sizes)
+        assert bucket is not None  # can_run made sure one holds the step
         p = pad_decode_step(layout, bucket)
         for static, host in ((self.input_ids, p.input_ids), (self.positions, p.positions), (self.slots, p.slots),
                              (self.context_lens, p.context_lens)):

@@ -17,13 +17,12 @@ def process_logits(logits: torch.Tensor, sampling: list[ScheduledRequest], eos_t
                    ) -> torch.Tensor:
     """logits: [len(sampling), vocab] float32 -> the logits to choose from (the same tensor when no row
     needs processing)."""
-    rows = [i for i, s in enumerate(sampling) if s.token_ids is not None]
+    rows = [(i, s, s.token_ids) for i, s in enumerate(sampling) if s.token_ids is not None]
     if not rows:
         return logits
     out = logits.clone()
-    for i in rows:
-        s = sampling[i]
-        out[i] = process_row(out[i], s.sampling_params, s.token_ids, s.num_prompt_tokens, eos_token_ids)
+    for i, s, token_ids in rows:
+        out[i] = process_row(out[i], s.sampling_params, token_ids, s.num_prompt_tokens, eos_token_ids)
     return out
 
 
@@ -45,9 +44,9 @@ def process_row(row: torch.Tensor, p, token_ids: list[int], num_prompt_tokens: i
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
     if len(outputs) < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        banned = sorted(t for t in banned if t < vocab)
-        if banned:
-            row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+        banned_ids = sorted(t for t in banned if t < vocab)
+        if banned_ids:
+            row[torch.tensor(banned_ids, dtype=torch.long, device=row.device)] = float("-inf")
     return row
 
 
@@ -60,7 +59,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, raw_logits: torch.Tensor, sampli
 
     row_of = {s.request_id: i for i, s in enumerate(sampling)}
     rows = [row_of[r] for r in grammar.request_ids]
-    if logits is raw_logits and any(s.sampling_params.logprobs for s in sampling):
+    if logits is raw_logits and any(s.sampling_params and s.sampling_params.logprobs for s in sampling):
         logits = logits.clone()
     full = torch.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=torch.int32)  # -1: all allowed
     full[rows] = grammar.bitmask

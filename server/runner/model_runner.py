@@ -8,6 +8,7 @@ On CUDA with Triton, decode-only steps replay CUDA graphs (server/runner/cuda_gr
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -21,6 +22,10 @@ from iterserve.server.runner.backends import make_backend, num_sms
 from iterserve.server.runner.logits_processors import apply_grammar_bitmask, process_logits
 from iterserve.server.runner.sampler import EMPTY_OUTPUT, ModelRunnerOutput, sample
 from iterserve.server.runner.step_inputs import step_layout, to_step_inputs
+
+if TYPE_CHECKING:  # CUDA graphs are imported only where they run
+    from iterserve.server.engine.sampling_params import SamplingParams
+    from iterserve.server.runner.cuda_graphs import StaticDecodeRunner
 
 logger = logging.getLogger("iterserve.runner")
 
@@ -62,7 +67,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and self.backend.name == "triton"
         self.max_graph_batch = max_graph_batch
-        self.static_decode = None
+        self.static_decode: StaticDecodeRunner | None = None
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' samplers, by request id
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -123,6 +128,7 @@ class ModelRunner:
         processed = process_logits(logits, layout.sampling, self.eos_token_ids)
         if out.grammar_bitmask is not None:
             processed = apply_grammar_bitmask(processed, logits, layout.sampling, out.grammar_bitmask)
-        return sample(processed,
-                      [s.request_id for s in layout.sampling], [s.sampling_params for s in layout.sampling],
+        # the rows that sample carry their sampling params (ScheduledRequest.sampling_params)
+        params = cast("list[SamplingParams]", [s.sampling_params for s in layout.sampling])
+        return sample(processed, [s.request_id for s in layout.sampling], params,
                       self.generators, raw_logits=logits)

@@ -124,8 +124,9 @@ def build_torch_metadata(layout: StepLayout, device: torch.device) -> AttentionM
     multi = np.flatnonzero(num_new > 1)
     for i in multi.tolist():
         start, n, c = int(starts[i]), int(num_new[i]), int(computed[i])
-        blocks = None if c == 0 else torch.from_numpy(np.ascontiguousarray(tables[i, : -(-(c + n) // bs)])).to(device)
-        multi_queries.append(MultiQuery(start, n, blocks, c + n))
+        context_blocks = (None if c == 0
+                          else torch.from_numpy(np.ascontiguousarray(tables[i, : -(-(c + n) // bs)])).to(device))
+        multi_queries.append(MultiQuery(start, n, context_blocks, c + n))
     prefill = None
     if len(multi) and not padded:  # the C++ kernel serves: every multi-query request in one call
         width = -(-int(ends[multi].max()) // bs)
