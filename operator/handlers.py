@@ -61,7 +61,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.scanning.disabled = bool(getattr(memo, "namespaces", None))
     if getattr(memo, "kube", None) is None:
         kubernetes.config.load_config()
-        memo.kube = Kube(kubernetes.client.ApiClient())
+        config = kubernetes.client.Configuration.get_default_copy()
+        # a connection per thread that calls the API at once (kopf's workers, the resync passes, the tuners'
+        # ticks): urllib3's default (5 per CPU) made those threads open a new TLS connection per request
+        config.connection_pool_maxsize = BACKGROUND_THREADS + settings.execution.max_workers
+        memo.kube = Kube(kubernetes.client.ApiClient(config))
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
     if getattr(memo, "operator_peer", None) is None:  # `iterserve operator` passes its flags'

@@ -26,6 +26,7 @@ from iterserve.operator.tuning.observation import (
     COUNTERS, GAUGES, GENERATION_TOKENS, HISTOGRAMS, HTTP_RESPONSES, ITL, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME,
     REQUESTS, RUNNING, SERVER_ERRORS, STEP_FAILURES, TTFT, WAITING, Observation,
 )
+from iterserve.operator.tuning.pod_http import pod_client
 
 MAX_SCRAPES_PER_POD = 256
 
@@ -187,7 +188,7 @@ class PodScraper:
         """(metrics text, None) or (None, why not)."""
         try:
             with self.limit if self.limit is not None else contextlib.nullcontext():
-                r = httpx.get(url.rstrip("/") + "/metrics", timeout=self.timeout)
+                r = pod_client().get(url.rstrip("/") + "/metrics", timeout=self.timeout)
         except httpx.HTTPError as e:
             return None, f"{type(e).__name__}: {e}"
         if r.status_code != 200:
