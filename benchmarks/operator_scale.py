@@ -240,8 +240,9 @@ def print_table(f: dict) -> None:
         ("scrapes in flight, most / bound", f"{f['scrapes']['max_in_flight']} / {f['max_concurrent_scrapes']}",
          "within" if f["scrapes"]["max_in_flight"] <= f["max_concurrent_scrapes"] else "EXCEEDED"),
         ("scrapes total (min per pod)", f"{f['scrapes']['total']} ({f['scrapes']['min_per_pod']})", ""),
-        ("operator RSS settled / idle / end", f"{f['memory_settled_mib']['rss']:.0f} / "
-         f"{f['memory_idle_mib']['rss']:.0f} / {mem['rss']:.0f} MiB", ""),
+        ("operator RSS settled / idle / end", " / ".join(
+            f"{rss:.0f}" for rss in (f["memory_settled_mib"]["rss"], f["memory_idle_mib"]["rss"], mem["rss"])) + " MiB",
+         ""),
         ("operator RSS peak", f"{peak:.0f} MiB", "< 500 MiB: " + target(peak, 500.0)),
         ("apiserver requests/min idle, all clients", f"{f['idle_apiserver_per_min']:.0f}", ""),
         ("  the operator's", f"{sum(idle.values()):.0f}", ""),
