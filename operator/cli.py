@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from iterserve.operator.constants import DEFAULT_OPERATOR_LABELS, DEFAULT_OPERATOR_NAMESPACE
+from iterserve.operator.constants import (
+    DEFAULT_MAX_CONCURRENT_SCRAPES, DEFAULT_OPERATOR_LABELS, DEFAULT_OPERATOR_NAMESPACE,
+)
 
 
 def register(sub) -> None:
@@ -42,6 +44,10 @@ def register(sub) -> None:
                         "port to them alone (default: env POD_NAMESPACE or iterserve-system)")
     p.add_argument("--operator-labels", default=",".join(f"{k}={v}" for k, v in DEFAULT_OPERATOR_LABELS.items()),
                    metavar="K=V,...", help="labels of the operator's pods, for the same rule (default: %(default)s)")
+    p.add_argument("--max-concurrent-scrapes", type=int,
+                   default=os.environ.get("ITERSERVE_OPERATOR_MAX_CONCURRENT_SCRAPES", DEFAULT_MAX_CONCURRENT_SCRAPES),
+                   help="most pods' /metrics the tuners read at once, all services together (default: env "
+                        "ITERSERVE_OPERATOR_MAX_CONCURRENT_SCRAPES, else %(default)s)")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.set_defaults(run=run)
 
@@ -57,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"iterserve operator: error: --resync-seconds must be > 0, got {args.resync_seconds}")
             return 2
         os.environ["ITERSERVE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)  # read by handlers at import
+    import threading
+
     import kopf
     import prometheus_client
 
@@ -77,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
         if port is not None and not 1 <= port <= 65535:
             print(f"iterserve operator: error: --{flag.replace('_', '-')} must be in 1..65535, got {port}")
             return 2
+    if int(args.max_concurrent_scrapes) < 1:
+        print(f"iterserve operator: error: --max-concurrent-scrapes must be >= 1, got {args.max_concurrent_scrapes}")
+        return 2
     try:
         operator_peer = OperatorPeer(args.operator_namespace, parse_labels(args.operator_labels))
     except ValueError as e:
@@ -92,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.health_port is not None:
         serve_health(args.health_port, health)
     memo = kopf.Memo(prometheus_url=args.prometheus_url, namespaces=namespaces, operator_metrics=metrics,
-                     operator_peer=operator_peer, health=health)
+                     operator_peer=operator_peer, health=health,
+                     scrape_limit=threading.BoundedSemaphore(int(args.max_concurrent_scrapes)))
 
     def operate() -> None:
         kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces, memo=memo)

@@ -8,7 +8,8 @@
   router's Deployment gets its first ready pod or loses its last (the Service follows the router);
 - a daemon per LLMService whose tuning is observe or auto (operator/tuning_loop.py): the tuner, ticking
   every spec.tuning.intervalSeconds; kopf stops it when the mode goes to off or the object is deleted;
-- at start: the thread pool the timer and the daemon use, and the heartbeat behind /healthz.
+- at start: the thread pool the timer and the daemon use, the operator-wide bound on the tuners' scrapes in
+  flight, and the heartbeat behind /healthz.
 
 Run with `iterserve operator` (operator/cli.py) or `kopf run -m iterserve.operator.handlers`.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import kopf
@@ -26,7 +28,9 @@ import kubernetes
 from iterserve.operator import background, controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY
 from iterserve.operator.builders.networkpolicy import OperatorPeer
-from iterserve.operator.constants import DEFAULT_OPERATOR_NAMESPACE, GROUP, KIND, PLURAL, VERSION
+from iterserve.operator.constants import (
+    DEFAULT_MAX_CONCURRENT_SCRAPES, DEFAULT_OPERATOR_NAMESPACE, GROUP, KIND, PLURAL, VERSION,
+)
 from iterserve.operator.health import BEAT_EVERY_S
 from iterserve.operator.kube import Kube
 from iterserve.operator.reconcile import router_serving
@@ -59,11 +63,17 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.scanning.disabled = bool(getattr(memo, "namespaces", None))
     if getattr(memo, "kube", None) is None:
         kubernetes.config.load_config()
-        memo.kube = Kube(kubernetes.client.ApiClient())
+        config = kubernetes.client.Configuration.get_default_copy()
+        # a connection per thread that calls the API at once (kopf's workers, the resync passes, the tuners'
+        # ticks): urllib3's default (5 per CPU) made those threads open a new TLS connection per request
+        config.connection_pool_maxsize = BACKGROUND_THREADS + settings.execution.max_workers
+        memo.kube = Kube(kubernetes.client.ApiClient(config))
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
     if getattr(memo, "operator_peer", None) is None:  # `iterserve operator` passes its flags'
         memo.operator_peer = OperatorPeer(namespace=os.environ.get("POD_NAMESPACE") or DEFAULT_OPERATOR_NAMESPACE)
+    if getattr(memo, "scrape_limit", None) is None:  # `iterserve operator` passes --max-concurrent-scrapes'
+        memo.scrape_limit = threading.BoundedSemaphore(DEFAULT_MAX_CONCURRENT_SCRAPES)
 
 
 @kopf.on.startup()
@@ -172,4 +182,5 @@ def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
 async def tune(body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
     await tuning_loop.run_daemon(memo.kube, body, stopped, emit=lambda event: kopf.event(body, **event),
                                  prometheus_url=getattr(memo, "prometheus_url", None),
-                                 metrics=memo.operator_metrics, pod_timeout=POD_TIMEOUT_SECONDS)
+                                 metrics=memo.operator_metrics, pod_timeout=POD_TIMEOUT_SECONDS,
+                                 scrape_limit=memo.scrape_limit)

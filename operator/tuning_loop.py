@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,12 +74,14 @@ def policy_from_spec(svc: LLMService) -> TuningPolicy:
     )
 
 
-def metrics_source(prometheus_url: str | None, timeout: float) -> MetricsSource:
+def metrics_source(prometheus_url: str | None, timeout: float,
+                   scrape_limit: threading.Semaphore | None = None) -> MetricsSource:
     """Prometheus when the operator was given its URL (pods matched by their `instance` label, the
-    podIP:port Kubernetes pod discovery sets), else the pods' own /metrics."""
+    podIP:port Kubernetes pod discovery sets), else the pods' own /metrics, at most `scrape_limit`'s
+    count in flight across the operator."""
     if prometheus_url:
         return PrometheusSource(prometheus_url, timeout=timeout)
-    return PodScraper(timeout=timeout)
+    return PodScraper(timeout=timeout, limit=scrape_limit)
 
 
 @dataclass
@@ -234,13 +237,14 @@ def tuned_of(body) -> tuple[str, str] | None:
 
 
 async def run_daemon(kube: Kube, body, stopped, *, emit: Callable[[dict], None], prometheus_url: str | None = None,
-                     metrics: OperatorMetrics | None = None, pod_timeout: float = 3.0) -> None:
+                     metrics: OperatorMetrics | None = None, pod_timeout: float = 3.0,
+                     scrape_limit: threading.Semaphore | None = None) -> None:
     """Tick one LLMService until `stopped` (kopf's DaemonStopped) is set. `body` is the live object (kopf
     keeps a daemon's body up to date); `emit(event)` posts an Event on it. Async, and each tick (blocking
     HTTP) in a thread of its own: between ticks the daemon holds no thread, so any number of tuned
     services leaves kopf's workers to the reconciles."""
     meta = body["metadata"]
-    loop = TuningLoop(kube, meta["namespace"], meta["name"], metrics_source(prometheus_url, pod_timeout),
+    loop = TuningLoop(kube, meta["namespace"], meta["name"], metrics_source(prometheus_url, pod_timeout, scrape_limit),
                       metrics, pod_timeout, memory=EventMemory(tuned=tuned_of(body)))
     logger.info("%s/%s: tuner started (%s)", loop.namespace, loop.name,
                 f"Prometheus at {prometheus_url}" if prometheus_url else "reading the pods' /metrics")

@@ -137,7 +137,7 @@ SLOW_MODULES = {
     "test_structured_output",
     "test_triton_attention", "test_triton_compile", "test_triton_gpu_benchmark", "test_triton_layer_ops",
     "test_triton_model_runner", "test_tuning_benchmark_smoke", "test_tuning_e2e", "test_tuning_live",
-    "test_tuning_simulation",
+    "test_tuning_simulation", "test_operator_scale_smoke",
 }
 
 

@@ -105,9 +105,11 @@ class KubeCluster:
         return "\n".join(process.log_tail() for process in self.processes)
 
 
-def start_cluster(workdir: Path, *, crd_paths=(ROOT / "crds",)) -> KubeCluster:
+def start_cluster(workdir: Path, *, crd_paths=(ROOT / "crds",), audit_log: Path | None = None) -> KubeCluster:
     """Start etcd, kube-apiserver and (after the CRDs under `crd_paths` are Established)
-    kube-controller-manager, all on 127.0.0.1 with free ports. Raises with the logs' tails on failure."""
+    kube-controller-manager, all on 127.0.0.1 with free ports. Raises with the logs' tails on failure.
+    `audit_log`: the apiserver writes every request's metadata there (who, verb, resource: what tells the
+    operator's requests from the controller-manager's), one JSON line per stage after RequestReceived."""
     if missing := missing_tools():
         raise RuntimeError("cannot start a Kubernetes API server, missing: " + "; ".join(missing))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +129,7 @@ def start_cluster(workdir: Path, *, crd_paths=(ROOT / "crds",)) -> KubeCluster:
     write_kubeconfig(cluster.operator_kubeconfig, cluster.server, pki["ca"], "iterserve-operator", operator_token)
     try:
         etcd_url = _start_etcd(cluster)
-        _start_apiserver(cluster, etcd_url, port, pki)
+        _start_apiserver(cluster, etcd_url, port, pki, audit_log)
         _wait_ready(cluster, admin_token, pki["ca"])
         install_crds(cluster, crd_paths)
         cluster.processes.append(DaemonProcess.start("kube-controller-manager", [
@@ -176,7 +178,14 @@ def _start_etcd(cluster: KubeCluster) -> str:
     return client_url  # kube-apiserver retries until etcd answers: no separate wait
 
 
-def _start_apiserver(cluster: KubeCluster, etcd_url: str, port: int, pki: dict[str, Path]) -> None:
+def _start_apiserver(cluster: KubeCluster, etcd_url: str, port: int, pki: dict[str, Path],
+                     audit_log: Path | None) -> None:
+    audit = []
+    if audit_log is not None:
+        policy = cluster.workdir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump({"apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+                                          "omitStages": ["RequestReceived"], "rules": [{"level": "Metadata"}]}))
+        audit = [f"--audit-policy-file={policy}", f"--audit-log-path={audit_log}"]
     cluster.processes.append(DaemonProcess.start("kube-apiserver", [
         str(KUBE_BIN / "kube-apiserver"), f"--etcd-servers={etcd_url}",
         "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}",
@@ -189,7 +198,7 @@ def _start_apiserver(cluster: KubeCluster, etcd_url: str, port: int, pki: dict[s
         f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
         # No controller creates service-account tokens to mount; pods need none here.
         "--disable-admission-plugins=ServiceAccount",
-        "--enable-priority-and-fairness=false", "--profiling=false", "--v=1",
+        "--enable-priority-and-fairness=false", "--profiling=false", "--v=1", *audit,
     ], cluster.workdir / "kube-apiserver.log"))
 
 
@@ -244,13 +253,18 @@ def install_crds(cluster: KubeCluster, crd_paths) -> None:
             time.sleep(0.05 if pending else 0)
 
 
-@pytest.fixture(scope="session")
-def kube_cluster(tmp_path_factory):
+def require_kube_tools() -> None:
+    """Skip the test when start_cluster's binaries are missing; fail instead when ITERSERVE_REQUIRE_KUBE=1 (CI)."""
     if missing := missing_tools():
         reason = "no Kubernetes API server to test against, missing: " + "; ".join(missing)
         if os.environ.get("ITERSERVE_REQUIRE_KUBE") == "1":
             pytest.fail(reason + " (ITERSERVE_REQUIRE_KUBE=1)")
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory):
+    require_kube_tools()
     cluster = start_cluster(tmp_path_factory.mktemp("kube"))
     yield cluster
     cluster.stop()

@@ -50,13 +50,15 @@ def operator_rbac(kube_cluster: KubeCluster):
 
 
 def start_operator(cluster: KubeCluster, namespace: str | None, *args: str, name: str = "operator",
-                   env: dict[str, str] | None = None, kubeconfig: Path | None = None) -> DaemonProcess:
+                   env: dict[str, str] | None = None, kubeconfig: Path | None = None,
+                   resync_seconds: float = 2) -> DaemonProcess:
     """`iterserve operator` for one namespace (None: all), as the operator's service account (only the
-    manifests' RBAC rights; another identity with `kubeconfig`), with a 2 s drift-repair period."""
+    manifests' RBAC rights; another identity with `kubeconfig`), with a 2 s drift-repair period unless
+    `resync_seconds` says otherwise."""
     environment = {**os.environ, "KUBECONFIG": str(kubeconfig or cluster.operator_kubeconfig),
                    "PYTHONUNBUFFERED": "1", **(env or {})}
     scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
-    argv = [ITERSERVE, "operator", *scope, "--resync-seconds", "2", *args]
+    argv = [ITERSERVE, "operator", *scope, "--resync-seconds", str(resync_seconds), *args]
     label = namespace or "all-namespaces"
     return DaemonProcess.start(f"{name} ({label})", argv, cluster.workdir / f"{label}-{name}.log", env=environment)
 

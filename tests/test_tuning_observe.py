@@ -5,12 +5,15 @@ summing buckets, and a pod restart (counters reset) counted from zero."""
 from __future__ import annotations
 
 import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from iterserve.operator.tuning.histograms import histogram_quantile
-from iterserve.operator.tuning.observe import observation_from_scrapes, parse_scrape, window_scrapes
+from iterserve.operator.tuning.observe import PodScraper, observation_from_scrapes, parse_scrape, window_scrapes
 from iterserve.operator.tuning.prometheus import instance_selector, promql_queries
 
 INF = math.inf
@@ -163,3 +166,51 @@ def test_promql_selects_the_pods_and_quotes_the_regex():
     assert q["ttft_p99_s"] == ('histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket'
                                '{service="chat"}[60000ms])))')
     assert q["kv_usage"].startswith("max(avg_over_time(vllm:kv_cache_usage_perc{")
+
+
+class SlowMetrics(ThreadingHTTPServer):
+    """/metrics on loopback that takes 0.2 s to answer and counts the requests in flight at once."""
+
+    def __init__(self):
+        self.lock, self.in_flight, self.most, self.served = threading.Lock(), 0, 0, 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                with server.lock:
+                    server.in_flight += 1
+                    server.most = max(server.most, server.in_flight)
+                time.sleep(0.2)
+                with server.lock:
+                    server.in_flight -= 1
+                    server.served += 1
+                body = generate_latest(FakePodMetrics().registry)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+@pytest.mark.parametrize("bound", [None, 2])
+def test_scrapes_in_flight_are_bounded_across_services(bound):
+    """Two services' scrapers, ticking at once, share the operator's bound; without one they overlap freely."""
+    server = SlowMetrics()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    limit = threading.BoundedSemaphore(bound) if bound else None
+    urls = [f"http://127.0.0.1:{server.server_address[1]}/pod-{i}" for i in range(4)]  # distinct pods
+    try:
+        ticks = [threading.Thread(target=PodScraper(timeout=10, limit=limit).snapshot, args=(urls, 0.0))
+                 for _ in range(2)]
+        for tick in ticks:
+            tick.start()
+        for tick in ticks:
+            tick.join()
+    finally:
+        server.shutdown()
+    assert server.served == 8
+    assert server.most == 2 if bound else server.most > 2

@@ -10,7 +10,9 @@ the pod, so a bucket that happens to be higher after the restart is not mistaken
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +41,7 @@ from iterserve.operator.tuning.observation import (
     WAITING,
     Observation,
 )
+from iterserve.operator.tuning.pod_http import pod_client
 
 MAX_SCRAPES_PER_POD = 256
 
@@ -158,11 +161,16 @@ def _mean(values) -> float:
 
 
 class PodScraper:
-    """A MetricsSource that reads each pod's /metrics itself and keeps a short history per pod."""
+    """A MetricsSource that reads each pod's /metrics itself and keeps a short history per pod.
 
-    def __init__(self, timeout: float = 5.0, max_workers: int = 16):
+    `limit`, shared by every service's PodScraper in one operator, bounds the scrapes in flight across
+    the whole fleet: each service's ticks run in their own thread, so without it 200 services ticking
+    together would open up to `max_workers` connections each."""
+
+    def __init__(self, timeout: float = 5.0, max_workers: int = 16, limit: threading.Semaphore | None = None):
         self.timeout = timeout
         self.max_workers = max_workers
+        self.limit = limit
         self.history: dict[str, deque[PodScrape]] = {}
 
     def snapshot(self, pod_urls: Sequence[str], now: float) -> list[str]:
@@ -195,7 +203,8 @@ class PodScraper:
     def _scrape(self, url: str) -> tuple[str | None, str | None]:
         """(metrics text, None) or (None, why not)."""
         try:
-            r = httpx.get(url.rstrip("/") + "/metrics", timeout=self.timeout)
+            with self.limit if self.limit is not None else contextlib.nullcontext():
+                r = pod_client().get(url.rstrip("/") + "/metrics", timeout=self.timeout)
         except httpx.HTTPError as e:
             return None, f"{type(e).__name__}: {e}"
         if r.status_code != 200:

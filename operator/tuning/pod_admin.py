@@ -11,6 +11,7 @@ from __future__ import annotations
 import httpx
 
 from iterserve.common.wire import ADMIN_SCHEDULER_PATH, KNOB_NAMES
+from iterserve.operator.tuning.pod_http import pod_client
 
 
 class PodCallError(Exception):
@@ -41,8 +42,8 @@ def patch_scheduler(base_url: str, admin_token: str, knobs: dict[str, int], time
 def _call(method: str, base_url: str, admin_token: str, body: dict | None, timeout: float) -> dict:
     url = base_url.rstrip("/") + ADMIN_SCHEDULER_PATH
     try:
-        response = httpx.request(method, url, json=body, timeout=timeout,
-                                 headers={"Authorization": f"Bearer {admin_token}"})
+        response = pod_client().request(method, url, json=body, timeout=timeout,
+                                        headers={"Authorization": f"Bearer {admin_token}"})
     except httpx.HTTPError as e:
         raise PodCallError(url, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
     if response.is_success:
