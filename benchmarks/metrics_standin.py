@@ -24,8 +24,22 @@ import time
 from aiohttp import web
 
 from iterserve.common.wire import (
-    ADMIN_PORT, ADMIN_SCHEDULER_PATH, GENERATION_TOKENS, HTTP_PORT, HTTP_RESPONSES, ITL, KNOB_DEFAULTS, KV_USAGE,
-    PREEMPTIONS, PROMPT_TOKENS, QUEUE_TIME, REQUESTS, RUNNING, STEP_FAILURES, TTFT, WAITING,
+    ADMIN_PORT,
+    ADMIN_SCHEDULER_PATH,
+    GENERATION_TOKENS,
+    HTTP_PORT,
+    HTTP_RESPONSES,
+    ITL,
+    KNOB_DEFAULTS,
+    KV_USAGE,
+    PREEMPTIONS,
+    PROMPT_TOKENS,
+    QUEUE_TIME,
+    REQUESTS,
+    RUNNING,
+    STEP_FAILURES,
+    TTFT,
+    WAITING,
 )
 
 # A steady synthetic load per pod: requests/s, tokens per request, and where TTFT / ITL / queue time fall.

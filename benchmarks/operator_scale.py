@@ -42,9 +42,7 @@ import httpx  # noqa: E402
 import kubernetes  # noqa: E402
 import yaml  # noqa: E402
 
-from benchmarks.fleet_harness import (  # noqa: E402
-    AuditWindow, GenerationWatch, PodMarker, apiserver_requests, memory_mib,
-)
+from benchmarks.fleet_harness import AuditWindow, GenerationWatch, PodMarker, apiserver_requests, memory_mib  # noqa: E402
 from iterserve.operator.constants import DEFAULT_MAX_CONCURRENT_SCRAPES, GROUP, PLURAL, VERSION  # noqa: E402
 from tests.kube_processes import DaemonProcess  # noqa: E402
 from tests.kube_support import OPERATOR_USER, start_cluster  # noqa: E402
@@ -64,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds between two spec changes; 0 patches them all at once")
     p.add_argument("--idle-s", type=float, default=60.0, help="the idle window the apiserver requests are counted in")
     p.add_argument("--max-concurrent-scrapes", type=int, default=DEFAULT_MAX_CONCURRENT_SCRAPES)
-    p.add_argument("--tuning-interval-s", type=int, default=30, help="spec.tuning.intervalSeconds (default: its default)")
+    p.add_argument("--tuning-interval-s", type=int, default=30,
+                   help="spec.tuning.intervalSeconds (default: its default)")
     p.add_argument("--resync-seconds", type=float, default=30.0, help="the operator's flag (default: its default)")
     p.add_argument("--scrape-delay-ms", type=float, default=20.0, help="how long the stand-in takes per /metrics")
     p.add_argument("--timeout-s", type=float, default=900.0, help="the longest wait for any phase")

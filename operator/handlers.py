@@ -29,7 +29,12 @@ from iterserve.operator import background, controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY
 from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.constants import (
-    DEFAULT_MAX_CONCURRENT_SCRAPES, DEFAULT_OPERATOR_NAMESPACE, GROUP, KIND, PLURAL, VERSION,
+    DEFAULT_MAX_CONCURRENT_SCRAPES,
+    DEFAULT_OPERATOR_NAMESPACE,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
 )
 from iterserve.operator.health import BEAT_EVERY_S
 from iterserve.operator.kube import Kube
@@ -44,6 +49,7 @@ RETRY_DELAY_SECONDS = 10
 # this is slack for an event loop on a busy machine.
 INSTANT_EXIT_SECONDS = 0.5
 BACKGROUND_THREADS = 32
+KOPF_WORKERS = 8  # kopf's handler threads
 
 
 @kopf.on.startup()
@@ -55,7 +61,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
         prefix="iterserve.io", key="last-handled-configuration")
     # our own Events say what happened (kopf.event, unfiltered); kopf's log-based ones only for failures
     settings.posting.level = logging.WARNING
-    settings.execution.max_workers = 8
+    settings.execution.max_workers = KOPF_WORKERS
     settings.background.instant_exit_timeout = INSTANT_EXIT_SECONDS
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pod call drowns the log
     # Watching chosen namespaces: take their names as given rather than list the cluster's namespaces,
@@ -66,7 +72,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
         config = kubernetes.client.Configuration.get_default_copy()
         # a connection per thread that calls the API at once (kopf's workers, the resync passes, the tuners'
         # ticks): urllib3's default (5 per CPU) made those threads open a new TLS connection per request
-        config.connection_pool_maxsize = BACKGROUND_THREADS + settings.execution.max_workers
+        config.connection_pool_maxsize = BACKGROUND_THREADS + KOPF_WORKERS
         memo.kube = Kube(kubernetes.client.ApiClient(config))
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
