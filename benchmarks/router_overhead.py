@@ -9,7 +9,9 @@ connections, for the same reason.
 1. Added latency: `--streams` clients loop on streaming requests, directly to the stand-in and through the
    router, interleaved (A B A B); the time to the first SSE event is compared (p50, p99 of each, and their
    differences, medians over the rounds). The router's own histogram of what it adds is printed too.
-2. Throughput: the router pinned to one core (taskset) takes non-streaming requests from `--rps-clients`
+   The router is pinned to one core (taskset) and the stand-ins and this client to the others, so that
+   the router's work and the load generator's do not queue behind each other.
+2. Throughput: the router pinned to one core takes non-streaming requests from `--rps-clients`
    closed-loop clients for `--seconds`; completed requests/s, beside the stand-in's rate when hit directly
    (which shows the router, not the stand-in or the client, is the bottleneck).
 
@@ -145,11 +147,17 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="length of each measured run")
     p.add_argument("--rps-clients", type=int, default=32)
     p.add_argument("--router-cpu", default="0", help="the core the router is pinned to (taskset -c)")
+    p.add_argument("--load-cpus", default=None,
+                   help="the cores of the stand-ins and this client (taskset -c list; default: all but the router's)")
     args = p.parse_args()
     if args.stand_in:
         asyncio.run(stand_in(args.stand_in, args.events, args.itl))
         return 0
 
+    router_cpus = {int(c) for c in args.router_cpu.split(",")}
+    load_cpus = ({int(c) for c in args.load_cpus.split(",")} if args.load_cpus else
+                 os.sched_getaffinity(0) - router_cpus) or os.sched_getaffinity(0)
+    os.sched_setaffinity(0, load_cpus)  # this client; the stand-ins inherit it
     up_port, fast_port, router_port, fast_router_port = free_port(), free_port(), free_port(), free_port()
     me = [sys.executable, os.path.abspath(__file__)]
     router = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "router", "--log-level", "warning",
@@ -164,7 +172,7 @@ def main() -> int:
         body = b'{"model": "m", "prompt": "hello", "max_tokens": 32, "stream": true}'
         print(f"# router_overhead: {args.streams} concurrent streams of {args.events} SSE events {args.itl * 1e3:g} ms "
               f"apart from a STAND-IN upstream; {args.rounds} interleaved rounds of {args.seconds:g} s; "
-              f"router pinned to cpu {args.router_cpu}; {os.cpu_count()} cpus on this machine, load average "
+              f"router pinned to cpu {args.router_cpu}, stand-ins and client to {sorted(load_cpus)}; {os.cpu_count()} cpus on this machine, load average "
               f"{os.getloadavg()[0]:.1f} at the start (other work shares them: compare only within one run)")
         rows = []
         for r in range(args.rounds):  # A B A B: drift on a shared machine hits both sides alike

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import signal
 
 import httpx
@@ -204,3 +205,32 @@ def test_discovery_by_dns_name(pods):
         assert routed(router, pods[0]) == 1
     finally:
         stop(proc)
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    out = []
+    for kid in kids:
+        with open(f"/proc/{kid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():  # not multiprocessing's resource tracker
+                out.append(kid)
+    return out
+
+
+def test_workers_share_the_port_and_stop_together(pods):
+    """--workers 2: two router processes on one port (SO_REUSEPORT) answer, and SIGTERM to the parent
+    stops both."""
+    proc, router = start_router(*pods, extra=("--workers", "2"))
+    try:
+        workers = _spawned_workers(proc.pid)
+        assert len(workers) == 2
+        wait_healthy(router, *pods)
+        for i in range(6):  # new connections each time: the kernel spreads them over the workers
+            with _client(router) as fresh:
+                assert fresh.completions.create(model="m", prompt=f"w{i}", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    wait_until(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), timeout=10,
+               what="the workers to exit")
