@@ -188,31 +188,38 @@ class Router:
 
     async def _relay(self, response: aiohttp.ClientResponse, read: bytes | None, pod, request, arrived: float
                      ) -> web.StreamResponse:
-        head_at = time.perf_counter()
+        head_at, content = time.perf_counter(), response.content
+        chunk = read if read is not None else content.read_nowait()  # what came with the pod's head
         answer = web.StreamResponse(status=response.status, reason=response.reason, headers=[
             (k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers
             if k.lower() not in _DROP_RESPONSE])
+        # writes to a socket are most of the relay's cost: the head leaves with the first body bytes when
+        # both are here already (aiohttp's own Response buffers its head so), at once when not, so that a
+        # client sees a queued request's head before its first token
+        answer._send_headers_immediately = not chunk
         await answer.prepare(request)
         self.metrics.to_client.observe(time.perf_counter() - head_at)
         self.metrics.requests.labels(pod.url, str(response.status)).inc()
-        if read is not None:  # read already (a 503 that was not `draining`)
-            await answer.write(read)
-            return answer
-        content, first = response.content, True
+        first = True
         while True:
-            try:
-                chunk = await content.readany()  # all the pod has sent so far: no re-buffering
-            except aiohttp.ClientError as e:
-                self.metrics.upstream_failures.labels(pod.url, "mid_response").inc()
-                logger.warning("pod %s failed mid-response (%r): cutting the client's connection", pod.url, e)
-                request.transport.close()  # before any terminating chunk: the client sees a cut stream
-                raise _Cut(answer) from e
             if not chunk:
-                return answer
+                try:
+                    chunk = await content.readany()  # all the pod has sent so far: no re-buffering
+                except aiohttp.ClientError as e:
+                    self.metrics.upstream_failures.labels(pod.url, "mid_response").inc()
+                    logger.warning("pod %s failed mid-response (%r): cutting the client's connection", pod.url, e)
+                    request.transport.close()  # before any terminating chunk: the client sees a cut stream
+                    raise _Cut(answer) from e
+                if not chunk:
+                    return answer
+            last = content.is_eof()  # the pod's whole response is read: its end goes in the same write
             try:
-                await answer.write(chunk)
+                await (answer.write_eof(chunk) if last else answer.write(chunk))
             except ConnectionError as e:  # the client left; its handler is being cancelled too
                 raise _Cut(answer) from e
             if first:
                 self.metrics.first_byte.observe(time.perf_counter() - arrived)
                 first = False
+            if last:
+                return answer
+            chunk = b""
