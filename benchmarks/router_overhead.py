@@ -182,8 +182,9 @@ def main() -> int:
         body = b'{"model": "m", "prompt": "hello", "max_tokens": 32, "stream": true}'
         print(f"# router_overhead: {args.streams} concurrent streams of {args.events} SSE events {args.itl * 1e3:g} ms "
               f"apart from a STAND-IN upstream; {args.rounds} interleaved rounds of {args.seconds:g} s; "
-              f"router pinned to cpu {args.router_cpu}, stand-ins and client to {sorted(load_cpus)}; {os.cpu_count()} cpus on this machine, load average "
-              f"{os.getloadavg()[0]:.1f} at the start (other work shares them: compare only within one run)")
+              f"router pinned to cpu {args.router_cpu}, stand-ins and client to {sorted(load_cpus)}; "
+              f"{os.cpu_count()} cpus on this machine, load average {os.getloadavg()[0]:.1f} at the start "
+              "(other work shares them: compare only within one run)")
         rows, cpu, streamed = [], 0.0, 0
         for r in range(args.rounds):  # A B A B: drift on a shared machine hits both sides alike
             direct = asyncio.run(load(up_port, args.streams, args.seconds, body))

@@ -65,7 +65,8 @@ def serve(make_router, host: str, port: int, workers: int = 1) -> int:
         _run_one(make_router, host, port, False)
         return 0
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_run_one, args=(make_router, host, port, True, logging.getLogger().level)) for _ in range(workers)]
+    level = logging.getLogger().level
+    procs = [ctx.Process(target=_run_one, args=(make_router, host, port, True, level)) for _ in range(workers)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for proc in procs:

@@ -234,3 +234,32 @@ def test_workers_share_the_port_and_stop_together(pods):
     assert proc.returncode == 0 and "Traceback" not in out, out
     wait_until(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), timeout=10,
                what="the workers to exit")
+
+
+def test_a_pod_that_dies_mid_stream_cuts_the_clients_stream(serve_args):
+    """Once a stream has started, the pod's death reaches the client as a broken stream (no terminating
+    chunk), never as a short stream that looks whole."""
+    (pod, url), = start_pods(1, *serve_args)
+    proc, router = start_router(url)
+    try:
+        wait_healthy(router, url)
+        body = {"model": "m", "prompt": "a", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        events = 0
+        # httpx raises RemoteProtocolError when a chunked body ends without its terminating chunk
+        with (pytest.raises(httpx.RemoteProtocolError),
+              httpx.stream("POST", router + "/v1/completions", json=body, timeout=60) as r):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events += 1
+                    if events == 2:
+                        pod.send_signal(signal.SIGKILL)
+                    assert line != "data: [DONE]"
+        assert events < 480
+        failures = "iterserve:router_upstream_failures_total"
+        wait_until(lambda: metric_value(httpx.get(router + "/metrics").text, failures, pod=url,
+                                        reason="mid_response") == 1, timeout=10, what="the router to count it")
+    finally:
+        out = stop(proc)
+        stop(pod)
+    assert "Traceback" not in out, out
