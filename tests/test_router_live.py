@@ -99,7 +99,7 @@ def test_least_load_avoids_a_pod_with_queued_work(pods, router):
 def test_least_load_counts_its_own_requests_in_flight(pods, router):
     """A stream the router is relaying makes its pod the busier one at once, before any scrape."""
     client = _client(router)
-    stream = client.completions.create(model="m", prompt="a", max_tokens=200, stream=True,
+    stream = client.completions.create(model="m", prompt="a", max_tokens=480, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
     counts = {p: routed(router, p) for p in pods}
