@@ -9,9 +9,13 @@ connections, for the same reason.
 1. Added latency: `--streams` clients loop on streaming requests, directly to the stand-in and through the
    router, interleaved (A B A B); the time to the first SSE event is compared (p50, p99 of each, and their
    differences, medians over the rounds). The router's own histogram of what it adds is printed too.
-2. Throughput: the router pinned to one core (taskset) takes non-streaming requests from `--rps-clients`
+   The router is pinned to one core (taskset) and the stand-ins and this client to the others, so that
+   the router's work and the load generator's do not queue behind each other.
+2. Throughput: the router pinned to one core takes non-streaming requests from `--rps-clients`
    closed-loop clients for `--seconds`; completed requests/s, beside the stand-in's rate when hit directly
    (which shows the router, not the stand-in or the client, is the bottleneck).
+   Both parts also read the router's CPU time (/proc): per streamed request, and requests per CPU-second,
+   which is what a core of its own carries, however long the router waited for its core on a busy machine.
 
     python benchmarks/router_overhead.py            # defaults: 100 streams, 4 rounds
 """
@@ -123,6 +127,14 @@ def start(cmd: list[str], port: int, cpu: str | None = None) -> subprocess.Popen
     raise RuntimeError(f"{cmd} did not start")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of `pid` so far: on a shared machine, what the router's work cost, however
+    long it waited for its core."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -145,11 +157,17 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="length of each measured run")
     p.add_argument("--rps-clients", type=int, default=32)
     p.add_argument("--router-cpu", default="0", help="the core the router is pinned to (taskset -c)")
+    p.add_argument("--load-cpus", default=None,
+                   help="the cores of the stand-ins and this client (taskset -c list; default: all but the router's)")
     args = p.parse_args()
     if args.stand_in:
         asyncio.run(stand_in(args.stand_in, args.events, args.itl))
         return 0
 
+    router_cpus = {int(c) for c in args.router_cpu.split(",")}
+    load_cpus = ({int(c) for c in args.load_cpus.split(",")} if args.load_cpus else
+                 os.sched_getaffinity(0) - router_cpus) or os.sched_getaffinity(0)
+    os.sched_setaffinity(0, load_cpus)  # this client; the stand-ins inherit it
     up_port, fast_port, router_port, fast_router_port = free_port(), free_port(), free_port(), free_port()
     me = [sys.executable, os.path.abspath(__file__)]
     router = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "router", "--log-level", "warning",
@@ -164,12 +182,15 @@ def main() -> int:
         body = b'{"model": "m", "prompt": "hello", "max_tokens": 32, "stream": true}'
         print(f"# router_overhead: {args.streams} concurrent streams of {args.events} SSE events {args.itl * 1e3:g} ms "
               f"apart from a STAND-IN upstream; {args.rounds} interleaved rounds of {args.seconds:g} s; "
-              f"router pinned to cpu {args.router_cpu}; {os.cpu_count()} cpus on this machine, load average "
-              f"{os.getloadavg()[0]:.1f} at the start (other work shares them: compare only within one run)")
-        rows = []
+              f"router pinned to cpu {args.router_cpu}, stand-ins and client to {sorted(load_cpus)}; "
+              f"{os.cpu_count()} cpus on this machine, load average {os.getloadavg()[0]:.1f} at the start "
+              "(other work shares them: compare only within one run)")
+        rows, cpu, streamed = [], 0.0, 0
         for r in range(args.rounds):  # A B A B: drift on a shared machine hits both sides alike
             direct = asyncio.run(load(up_port, args.streams, args.seconds, body))
+            before = cpu_seconds(procs[2].pid)
             routed = asyncio.run(load(router_port, args.streams, args.seconds, body))
+            cpu, streamed = cpu + cpu_seconds(procs[2].pid) - before, streamed + len(routed)
             row = [pct(direct, .5), pct(direct, .99), pct(routed, .5), pct(routed, .99), len(direct), len(routed)]
             rows.append(row)
             print(f"round {r}: first event direct p50 {row[0] * 1e3:.2f} p99 {row[1] * 1e3:.2f} ms | via router "
@@ -179,17 +200,22 @@ def main() -> int:
         print(f"median over rounds: added latency to the first event at {args.streams} streams: "
               f"p50 {(med[2] - med[0]) * 1e3:.2f} ms, p99 {(med[3] - med[1]) * 1e3:.2f} ms "
               f"(direct p99 {med[1] * 1e3:.2f} ms, via router p99 {med[3] * 1e3:.2f} ms)")
+        print(f"router CPU at {args.streams} streams: {cpu / (args.rounds * args.seconds) * 100:.0f}% of a core, "
+              f"{cpu / streamed * 1e6:.0f} us per streamed request ({args.events + 1} chunks relayed each)")
         print("router's own added-latency histogram (seconds):\n" + router_histogram(router_port))
 
         one = b'{"model": "m", "prompt": "hello", "max_tokens": 1}'
         rates = []
         for _ in range(2):
             direct = asyncio.run(load(fast_port, args.rps_clients, args.seconds, one))
+            before = cpu_seconds(procs[3].pid)
             routed = asyncio.run(load(fast_router_port, args.rps_clients, args.seconds, one))
-            rates.append((len(direct) / args.seconds, len(routed) / args.seconds))
-        d, r = (statistics.median(c) for c in zip(*rates))
+            used = cpu_seconds(procs[3].pid) - before
+            rates.append((len(direct) / args.seconds, len(routed) / args.seconds, len(routed) / used))
+        d, r, per_cpu = (statistics.median(c) for c in zip(*rates))
         print(f"throughput, {args.rps_clients} closed-loop clients, one-event responses: router on one core "
-              f"{r:.0f} requests/s; the stand-in hit directly {d:.0f} requests/s (ratio {d / r:.1f}x)")
+              f"{r:.0f} requests/s; the stand-in hit directly {d:.0f} requests/s (ratio {d / r:.1f}x); "
+              f"{per_cpu:.0f} requests per second of the router's CPU time (a core of its own would carry that)")
     finally:
         for proc in procs:
             proc.terminate()

@@ -1,6 +1,6 @@
-"""`iterserve router`: the load-aware router in front of a service's pods (flags, then uvicorn).
+"""`iterserve router`: the load-aware router in front of a service's pods (flags, then router/serve.py).
 
-Only argparse is imported at module level: `iterserve --help` must not pay for httpx or uvicorn.
+Only argparse is imported at module level: `iterserve --help` must not pay for aiohttp.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ def register(sub) -> None:
                    help="seconds between scrapes of each pod's /metrics (its load and health)")
     p.add_argument("--connect-timeout", type=_positive(float), default=2.0,
                    help="seconds to connect to a pod before trying another")
+    p.add_argument("--workers", type=_positive(int), default=1,
+                   help="router processes sharing the port (SO_REUSEPORT), each with its own pod scrapes and "
+                        "in-flight counts; one carries thousands of requests/s (docs/router.md)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds open requests (streams) get to finish after SIGTERM, while no new connection "
+                        "is taken (default 30, as `iterserve serve`'s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
 
@@ -60,18 +66,18 @@ def build_router(args):
 
 
 def run(args) -> int:
+    import functools
     import sys
 
-    import uvicorn
+    from iterserve.router.serve import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        router = build_router(args)
+        if args.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+        build_router(args)  # bad flags fail here, once, before any worker starts
     except ValueError as e:
         print(f"iterserve router: {e}", file=sys.stderr)
         return 2
-    # no access log: one line per request would cost more than the routing itself
-    config = uvicorn.Config(router, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
-    return 0
+    # built again in the running loop of each worker (aiohttp binds its sessions to that loop)
+    return serve(functools.partial(build_router, args), args.host, args.port, args.workers, args.drain_timeout)

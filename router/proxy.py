@@ -1,7 +1,8 @@
-"""The router's ASGI app: picks a pod for each request and relays it, streaming chunk by chunk.
+"""The router's request handler: picks a pod for each request and relays it, streaming as it arrives.
 
-A plain ASGI callable rather than a framework: every request pays for whatever sits on this path, and
-the proxy needs nothing but the raw body, the path and the headers. `/v1/completions` and
+It is an aiohttp low-level handler (router/serve.py runs the server): aiohttp's C HTTP parser reads the
+request, the handler sees the raw body, the path and the headers, and nothing else sits on the path a
+relayed chunk takes (one read from the pod, one write to the client). `/v1/completions` and
 `/v1/chat/completions` are routed by the policy on their prompt; the other API routes (`/v1/models`,
 `/tokenize`, ...) go to the least loaded pod. The router answers `/health` (it runs), `/ready` (some pod
 is routable) and `/metrics` (its own) itself.
@@ -10,17 +11,18 @@ Failures: a pod that refuses the connection is marked down and the request goes 
 one that drops the connection before its response head, or answers 503 `draining` (nothing was started
 there). A pod's own answers, errors included, pass through unchanged. Once the response has started, a
 pod that fails cuts the client's connection too, so a client never takes a truncated stream for a whole
-one. A client that disconnects closes the pod's connection, which aborts the request there.
+one. A client that disconnects cancels its handler (the server runs with handler cancellation), which
+closes the pod's connection and so aborts the request there.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 
 import aiohttp
+from aiohttp import web
 
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.pods import PodSet
@@ -34,38 +36,26 @@ OTHER_ROUTES = ("/tokenize", "/detokenize", "/version")
 _DROP_REQUEST = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
                  b"upgrade", b"host", b"content-length"}
 _DROP_RESPONSE = {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server"}
-_JSON = [(b"content-type", b"application/json")]
+_JSON = "application/json"
 
 
-class UpstreamBroke(Exception):
-    """A pod failed after the response had started: the client's connection is cut (see the docstring)."""
+class _Cut(Exception):
+    """The relay stopped midway (the pod failed, or the client left): `answer`, the response already
+    started, whose connection is closing; aiohttp can write nothing more on it."""
+
+    def __init__(self, answer: web.StreamResponse) -> None:
+        super().__init__()
+        self.answer = answer
 
 
-def _error(status: int, message: str, code: str) -> bytes:
+def _error(status: int, message: str, code: str) -> web.Response:
     kind = "service_unavailable" if status == 503 else "invalid_request_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-
-
-async def _answer(send, status: int, body: bytes, headers=_JSON) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return web.Response(status=status, text=body, content_type=_JSON)
 
 
 async def _sent(session, ctx, params) -> None:
     ctx.trace_request_ctx.append(time.perf_counter())  # the request's head (and small body) is on the wire
-
-
-async def _body(response: aiohttp.ClientResponse, read: bytes | None):
-    if read is not None:  # read already (a 503 that was not `draining`)
-        yield read
-        return
-    async for chunk in response.content.iter_any():  # as it arrives: no re-buffering
-        yield chunk
 
 
 def _draining(body: bytes) -> bool:
@@ -88,91 +78,61 @@ class Router:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
         self.session: aiohttp.ClientSession | None = None
 
-    def _session(self) -> aiohttp.ClientSession:
-        if self.session is None:  # in the running loop: aiohttp binds the session to it
-            trace = aiohttp.TraceConfig()
-            trace.on_request_headers_sent.append(_sent)
-            self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0), timeout=self._timeout,
-                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),
-                trace_configs=[trace])
-        return self.session
+    async def start(self) -> None:
+        """In the running loop (aiohttp binds the session to it): the pods' first scrape, then the session."""
+        await self.pods.start()
+        trace = aiohttp.TraceConfig()
+        trace.on_request_headers_sent.append(_sent)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0), timeout=self._timeout,
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),
+            trace_configs=[trace])
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            return await self._lifespan(receive, send)
-        if scope["type"] != "http":
-            return
-        path = scope["path"]
+    async def stop(self) -> None:
+        await self.pods.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.path
         if path in KEYED_ROUTES or path.startswith("/v1/") or path in OTHER_ROUTES:
-            return await self._proxy(scope, receive, send, keyed=self.keyed and path in KEYED_ROUTES)
+            return await self._proxy(request, keyed=self.keyed and path in KEYED_ROUTES)
         if path == "/health":
-            return await _answer(send, 200, json.dumps({"status": "ok", "pods": len(self.pods.pods),
-                                                        "healthy": len(self.pods.healthy())}).encode())
+            return web.json_response({"status": "ok", "pods": len(self.pods.pods),
+                                      "healthy": len(self.pods.healthy())})
         if path == "/ready":
             if self.pods.healthy():
-                return await _answer(send, 200, b'{"status": "ready"}')
-            return await _answer(send, 503, _error(503, "no pod is routable", "no_pods"))
+                return web.Response(text='{"status": "ready"}', content_type=_JSON)
+            return _error(503, "no pod is routable", "no_pods")
         if path == "/metrics":
-            return await _answer(send, 200, self.metrics.render(),
-                                 [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
-        await _answer(send, 404, _error(404, f"no route {path}", "not_found"))
+            return web.Response(body=self.metrics.render(),
+                                headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
+        return _error(404, f"no route {path}", "not_found")
 
-    async def _lifespan(self, receive, send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await self.pods.start()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.pods.stop()
-                if self.session is not None:
-                    await self.session.close()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    async def _read_body(self, receive) -> bytes | None:
+    async def _read_body(self, request: web.BaseRequest) -> bytes | None:
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise asyncio.CancelledError  # gone before its body was in: nothing to route
-            chunk = message.get("body", b"")
+        async for chunk in request.content.iter_any():  # a small body is one chunk, already read
             size += len(chunk)
             if size > self.max_request_bytes:
                 return None
             chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        return b"".join(chunks)
 
-    async def _proxy(self, scope, receive, send, keyed: bool) -> None:
+    async def _proxy(self, request: web.BaseRequest, keyed: bool) -> web.StreamResponse:
         arrived = time.perf_counter()
-        try:
-            body = await self._read_body(receive)
-        except asyncio.CancelledError:
-            return
+        body = await self._read_body(request)
         if body is None:
             self.metrics.requests.labels("none", "413").inc()
-            return await _answer(send, 413, _error(413, f"the request body exceeds {self.max_request_bytes} "
-                                                        "bytes", "request_too_large"))
+            return _error(413, f"the request body exceeds {self.max_request_bytes} bytes", "request_too_large")
         key = routing_key(body, self.prefix_chars) if keyed else None
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _DROP_REQUEST]
-        target = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
-        work = asyncio.ensure_future(self._route(scope["method"], target, headers, body, key, arrived, send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers
+                   if k.lower() not in _DROP_REQUEST]
         try:
-            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if work in done:
-            await work  # its exception, if any, reaches uvicorn: the client's connection is cut
-        else:  # the client left: cancelling closes the pod's connection, which aborts the request there
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
+            return await self._route(request, headers, body, key, arrived)
+        except _Cut as cut:
+            return cut.answer
 
-    async def _route(self, method, target, headers, body, key, arrived, send) -> None:
+    async def _route(self, request, headers, body, key, arrived) -> web.StreamResponse:
         tried: set[str] = set()
         policy = self.policy if key is not None else self.any_pod
         while True:
@@ -180,7 +140,7 @@ class Router:
             if not candidates or len(tried) > self.max_retries:
                 self.metrics.requests.labels("none", "503").inc()
                 why = "no pod is routable" if not tried else f"{len(tried)} pods failed to take the request"
-                return await _answer(send, 503, _error(503, why, "no_pods"))
+                return _error(503, why, "no_pods")
             decision = policy.pick(candidates, key)
             outcome = "retry" if tried else ("spilled" if decision.spilled else "primary")
             self.metrics.decisions.labels(self.policy_name, outcome).inc()
@@ -188,25 +148,27 @@ class Router:
             tried.add(pod.url)
             pod.load.in_flight += 1
             try:
-                if await self._attempt(pod, method, target, headers, body, arrived, send):
-                    return
+                answer = await self._attempt(pod, request, headers, body, arrived)
             finally:
                 pod.load.in_flight -= 1
+            if answer is not None:
+                return answer
 
-    async def _attempt(self, pod, method, target, headers, body, arrived, send) -> bool:
-        """One try on `pod`: False when nothing reached the client and another pod may take the request."""
+    async def _attempt(self, pod, request, headers, body, arrived) -> web.StreamResponse | None:
+        """One try on `pod`: None when nothing reached the client and another pod may take the request."""
         sent_at: list[float] = []
+        assert self.session is not None, "requests arrive only between start() and stop()"
         try:
-            response = await self._session().request(method, pod.url + target, headers=headers, data=body,
-                                                     allow_redirects=False, trace_request_ctx=sent_at)
+            response = await self.session.request(request.method, pod.url + request.raw_path, headers=headers,
+                                                  data=body, allow_redirects=False, trace_request_ctx=sent_at)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             self.metrics.upstream_failures.labels(pod.url, "connect").inc()
             self.pods.mark_down(pod, f"connect: {type(e).__name__}")
-            return False
+            return None
         except aiohttp.ClientError as e:  # it dropped the connection before answering: nothing was sent on
             self.metrics.upstream_failures.labels(pod.url, type(e).__name__).inc()
             logger.warning("pod %s dropped a request before answering (%r); retrying elsewhere", pod.url, e)
-            return False
+            return None
         done = False
         try:
             if sent_at:
@@ -216,30 +178,49 @@ class Router:
                 self.metrics.upstream_failures.labels(pod.url, "draining").inc()
                 self.pods.mark_down(pod, "draining")
                 done = True
-                return False
-            await self._relay(response, read, pod, arrived, send)
+                return None
+            answer = await self._relay(response, read, pod, request, arrived)
             done = True
-            return True
+            return answer
         finally:
             # a response cut short (the client left, the pod failed) closes its connection, which the pod
             # reads as a disconnect and aborts the request; a whole one goes back to the pool
             response.release() if done else response.close()
 
-    async def _relay(self, response: aiohttp.ClientResponse, read: bytes | None, pod, arrived: float,
-                     send) -> None:
-        head_at = time.perf_counter()
-        headers = [(k, v) for k, v in response.raw_headers if k.lower() not in _DROP_RESPONSE]
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    async def _relay(self, response: aiohttp.ClientResponse, read: bytes | None, pod, request, arrived: float
+                     ) -> web.StreamResponse:
+        head_at, content = time.perf_counter(), response.content
+        chunk = read if read is not None else content.read_nowait()  # what came with the pod's head
+        answer = web.StreamResponse(status=response.status, reason=response.reason, headers=[
+            (k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers
+            if k.lower() not in _DROP_RESPONSE])
+        # writes to a socket are most of the relay's cost: the head leaves with the first body bytes when
+        # both are here already (aiohttp's own Response buffers its head so), at once when not, so that a
+        # client sees a queued request's head before its first token
+        answer._send_headers_immediately = not chunk
+        await answer.prepare(request)
         self.metrics.to_client.observe(time.perf_counter() - head_at)
         self.metrics.requests.labels(pod.url, str(response.status)).inc()
         first = True
-        try:
-            async for chunk in _body(response, read):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if first:
-                    self.metrics.first_byte.observe(time.perf_counter() - arrived)
-                    first = False
-        except aiohttp.ClientError as e:
-            self.metrics.upstream_failures.labels(pod.url, "mid_response").inc()
-            raise UpstreamBroke(f"pod {pod.url} failed mid-response: {e!r}") from e
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        while True:
+            if not chunk:
+                try:
+                    chunk = await content.readany()  # all the pod has sent so far: no re-buffering
+                except aiohttp.ClientError as e:
+                    self.metrics.upstream_failures.labels(pod.url, "mid_response").inc()
+                    logger.warning("pod %s failed mid-response (%r): cutting the client's connection", pod.url, e)
+                    request.transport.close()  # before any terminating chunk: the client sees a cut stream
+                    raise _Cut(answer) from e
+                if not chunk:
+                    return answer
+            last = content.is_eof()  # the pod's whole response is read: its end goes in the same write
+            try:
+                await (answer.write_eof(chunk) if last else answer.write(chunk))
+            except ConnectionError as e:  # the client left; its handler is being cancelled too
+                raise _Cut(answer) from e
+            if first:
+                self.metrics.first_byte.observe(time.perf_counter() - arrived)
+                first = False
+            if last:
+                return answer
+            chunk = b""

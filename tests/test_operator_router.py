@@ -95,7 +95,10 @@ def test_router_pods_are_hardened_like_the_server_pods():
     assert {"name": "tmp", "mountPath": "/tmp"} in rc["volumeMounts"] and router["volumes"] == [
         {"name": "tmp", "emptyDir": {}}]
     prestop = int(rc["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert router["terminationGracePeriodSeconds"] == router_grace_seconds() > prestop + 5
+    svc = service(spec)
+    # the router gives open streams the drain the service's pods give them, inside its grace period
+    assert flag(rc["args"], "--drain-timeout") == str(svc.drain_timeout_seconds)
+    assert router["terminationGracePeriodSeconds"] == router_grace_seconds(svc) > prestop + svc.drain_timeout_seconds
 
 
 def test_router_needs_no_accelerator_and_no_key():
@@ -200,3 +203,16 @@ def test_a_router_deployment_event_reconciles_only_when_it_starts_or_stops_servi
     # first sight, then 0 -> 1 ready, 1 -> 2 (no change), back to 0; another router is tracked apart
     assert [event(0), event(0), event(1), event(2), event(0), event(0, "other-router")] == [
         True, False, True, False, True, True]
+
+
+@pytest.mark.parametrize("case", ["defaults", "prefix-hash, 3 replicas, resources"])
+def test_the_router_parses_the_args_the_operator_gives_it(case):
+    """The router's own argument parser takes the operator's args, without Kubernetes."""
+    from iterserve.router.cli import build_router
+    from iterserve.server.entrypoints.cli import build_parser
+
+    svc = service(SPECS[case])
+    args = build_parser().parse_args(["router", *router_container(SPECS[case])["args"]])
+    assert (args.dns_name, args.policy, args.port, args.backend_port, args.drain_timeout) == (
+        "chat-pods.team-a.svc", svc.router.policy, 8000, 8000, svc.drain_timeout_seconds)
+    build_router(args)  # the flags the router checks at start-up pass

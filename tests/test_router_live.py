@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import signal
 
 import httpx
@@ -98,7 +99,7 @@ def test_least_load_avoids_a_pod_with_queued_work(pods, router):
 def test_least_load_counts_its_own_requests_in_flight(pods, router):
     """A stream the router is relaying makes its pod the busier one at once, before any scrape."""
     client = _client(router)
-    stream = client.completions.create(model="m", prompt="a", max_tokens=200, stream=True,
+    stream = client.completions.create(model="m", prompt="a", max_tokens=480, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
     counts = {p: routed(router, p) for p in pods}
@@ -204,3 +205,89 @@ def test_discovery_by_dns_name(pods):
         assert routed(router, pods[0]) == 1
     finally:
         stop(proc)
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    out = []
+    for kid in kids:
+        with open(f"/proc/{kid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():  # not multiprocessing's resource tracker
+                out.append(kid)
+    return out
+
+
+def test_workers_share_the_port_and_stop_together(pods):
+    """--workers 2: two router processes on one port (SO_REUSEPORT) answer, and SIGTERM to the parent
+    stops both."""
+    proc, router = start_router(*pods, extra=("--workers", "2"))
+    try:
+        workers = _spawned_workers(proc.pid)
+        assert len(workers) == 2
+        wait_healthy(router, *pods)
+        for i in range(6):  # new connections each time: the kernel spreads them over the workers
+            with _client(router) as fresh:
+                assert fresh.completions.create(model="m", prompt=f"w{i}", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    wait_until(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), timeout=10,
+               what="the workers to exit")
+
+
+def test_a_pod_that_dies_mid_stream_cuts_the_clients_stream(serve_args):
+    """Once a stream has started, the pod's death reaches the client as a broken stream (no terminating
+    chunk), never as a short stream that looks whole."""
+    (pod, url), = start_pods(1, *serve_args)
+    proc, router = start_router(url)
+    try:
+        wait_healthy(router, url)
+        body = {"model": "m", "prompt": "a", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        events = 0
+        # httpx raises RemoteProtocolError when a chunked body ends without its terminating chunk
+        with (pytest.raises(httpx.RemoteProtocolError),
+              httpx.stream("POST", router + "/v1/completions", json=body, timeout=60) as r):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events += 1
+                    if events == 2:
+                        pod.send_signal(signal.SIGKILL)
+                    assert line != "data: [DONE]"
+        assert events < 480
+        failures = "iterserve:router_upstream_failures_total"
+        wait_until(lambda: metric_value(httpx.get(router + "/metrics").text, failures, pod=url,
+                                        reason="mid_response") == 1, timeout=10, what="the router to count it")
+    finally:
+        out = stop(proc)
+        stop(pod)
+    assert "Traceback" not in out, out
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_and_refuses_new_connections(pods):
+    """A router pod being replaced: the stream it relays runs to its end within --drain-timeout, while
+    no new connection is taken, then the router exits 0."""
+    proc, router = start_router(*pods, extra=("--drain-timeout", "60"))
+    try:
+        wait_healthy(router, *pods)
+        body = {"model": "m", "prompt": "a", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as client, client.stream("POST", router + "/v1/completions",
+                                                                json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: _refused(router), timeout=10, what="the router to stop taking connections")
+            events = [line for line in lines if line.startswith("data:")]
+        assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2].replace(" ", "")
+        assert proc.wait(30) == 0
+    finally:
+        stop(proc)
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)
+    except httpx.ConnectError:
+        return True
+    return False

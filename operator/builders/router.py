@@ -31,8 +31,8 @@ from iterserve.operator.builders.labels import (
 from iterserve.operator.spec import LLMService
 
 CONTAINER = "router"
-# `iterserve router` gives open connections 5 s after SIGTERM (router/cli.py, uvicorn's graceful shutdown)
-ROUTER_SHUTDOWN_S = 5
+# After SIGTERM `iterserve router` gives open requests --drain-timeout seconds (the service's
+# drainTimeoutSeconds, as its pods get: a stream through the router lasts as long as the pod serves it).
 SHUTDOWN_MARGIN_S = 10
 
 
@@ -44,7 +44,8 @@ def pods_dns_name(svc: LLMService) -> str:
 
 def router_args(svc: LLMService) -> list[str]:
     return ["--host", "0.0.0.0", "--port", str(HTTP_PORT), "--dns-name", pods_dns_name(svc),
-            "--backend-port", str(HTTP_PORT), "--policy", svc.router.policy]
+            "--backend-port", str(HTTP_PORT), "--policy", svc.router.policy,
+            "--drain-timeout", str(svc.drain_timeout_seconds)]
 
 
 def build_pods_service(svc: LLMService) -> dict:
@@ -81,13 +82,13 @@ def _container(svc: LLMService) -> dict:
     return container
 
 
-def router_grace_seconds() -> int:
-    return PRESTOP_SLEEP_S + ROUTER_SHUTDOWN_S + SHUTDOWN_MARGIN_S
+def router_grace_seconds(svc: LLMService) -> int:
+    return PRESTOP_SLEEP_S + svc.drain_timeout_seconds + SHUTDOWN_MARGIN_S
 
 
 def build_router_deployment(svc: LLMService) -> dict:
     """The router pods: no accelerator, so none of the server's nodeSelector, tolerations or resources."""
-    pod_spec = hardened_pod_spec(svc, _container(svc), [{"name": "tmp", "emptyDir": {}}], router_grace_seconds())
+    pod_spec = hardened_pod_spec(svc, _container(svc), [{"name": "tmp", "emptyDir": {}}], router_grace_seconds(svc))
     return rolling_deployment(
         child_metadata(svc, router_name(svc.name), child_labels=router_labels(svc.name)), svc.router.replicas,
         router_selector_labels(svc.name), router_labels(svc.name), dict(SCRAPE_ANNOTATIONS), pod_spec)
