@@ -44,8 +44,10 @@ def test_operator_runs_in_cluster_as_its_service_account(namespace):
     # Its rights are the manifests' and no more.
     assert can_i("patch", "llmservices.iterserve.io", namespace, subresource="status")
     assert can_i("create", "deployments.apps", namespace)
+    assert can_i("delete", "deployments.apps", namespace)  # spec.router off: its Deployment goes
     assert not can_i("get", "secrets", "kube-system")
-    assert not can_i("delete", "deployments.apps", namespace)
+    assert not can_i("create", "pods", namespace)
+    assert not can_i("delete", "configmaps", namespace)
     assert not can_i("create", "clusterrolebindings.rbac.authorization.k8s.io")
 
     # And it acts with them from inside the cluster: an LLMService gets its children, owned by it.
