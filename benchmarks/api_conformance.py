@@ -97,9 +97,7 @@ def diff(ours, theirs, path: str = "$") -> list[tuple[str, str, str]]:
         if ours and theirs:
             return diff(ours[0], theirs[0], f"{path}[0]")
         return [] if not ours and not theirs else [(path, f"{len(ours)} items", f"{len(theirs)} items")]
-    if shape(ours) != shape(theirs) and not (isinstance(ours, (dict, list)) and isinstance(theirs, (dict, list))):
-        return [(path, json.dumps(shape(ours)), json.dumps(shape(theirs)))]
-    if shape(ours) != shape(theirs):
+    if shape(ours) != shape(theirs):  # a scalar's type, or a dict against a list (cut short to print)
         return [(path, json.dumps(shape(ours))[:80], json.dumps(shape(theirs))[:80])]
     return []
 
