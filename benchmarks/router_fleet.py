@@ -17,8 +17,8 @@ a round-robin pod can get two long prompts in a row while the other idles) and `
 prompts and conversations sharing long prefixes, which prefix-hash keeps on the pod that caches them).
 Pick `--rate` near the pair's capacity: far below it every policy finds idle pods, far above it every
 queue grows without bound. Printed: every run, then per workload the medians over rounds of TTFT and TPOT
-p50/p99 and output tok/s, the requests each pod got (the bench's model list and probe included), and
-round-robin's p99 TTFT over each policy's.
+p50/p99 and output tok/s, round-robin's p99 TTFT over each policy's, and the requests each pod got in
+each round (the bench's model list and probe included).
 """
 
 from __future__ import annotations
@@ -122,15 +122,14 @@ def report(workload: str, runs: dict[str, list[dict]]) -> dict:
            for p, rs in runs.items()}
     print(f"\n{workload}: medians over {len(next(iter(runs.values())))} rounds (latencies in ms)")
     print(f"  {'policy':<13}" + "".join(f"{label:>11}" for label, _ in FIGURES)
-          + f"{'per pod':>13}{'failed':>8}{'RR p99 / p99':>14}")
+          + f"{'failed':>8}{'RR p99 / p99':>14}  per pod, each round")
     for policy, m in med.items():
-        split = "/".join(str(statistics.median(r["per_pod"][i] for r in runs[policy])).removesuffix(".0")
-                         for i in range(len(runs[policy][0]["per_pod"])))
+        split = " ".join("/".join(map(str, r["per_pod"])) for r in runs[policy])  # every round's split
         failed = sum(r["summary"]["num_failed"] for r in runs[policy])
         ratio = (f"{med[BASELINE]['TTFT p99'] / m['TTFT p99']:13.2f}x"
                  if BASELINE in med and m["TTFT p99"] > 0 else f"{'-':>14}")
         print(f"  {policy:<13}" + "".join(f"{m[label]:11.1f}" for label, _ in FIGURES)
-              + f"{split:>13}{failed:>8}{ratio}")
+              + f"{failed:>8}{ratio}  {split}")
     return med
 
 
