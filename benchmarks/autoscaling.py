@@ -12,8 +12,9 @@ and the chunk, 8% multiplicative noise) behind the routing each configuration ha
 Service: every ready pod the same share) or `least-load` (spec.router: a pod with a longer queue gets no
 new requests until it has drained to its peers' level); every controller is compared behind the same
 routing. A new pod is ready `--start-s` after it is asked for, a removed pod's queue goes to the others
-(it drains: nothing is lost). Every tick (30 s, a 30 s window) the fleet's window is every pod's merged
-(p99s: the worst pod's; rates and queues: summed), which is what the operator reads from the pods' /metrics.
+(it drains: nothing is lost). Every tick (30 s, a 30 s window) the fleet's window is every pod's merged as
+the operator merges the pods' /metrics: rates and queues summed, p99s the quantile of the summed
+histograms (`--fleet-p99 worst-pod`: the worst pod's p99, which grows with the fleet by noise alone).
 
 The load, per fleet size F: one pod carries at most `CAPACITY` requests/s within the SLO at its best
 knobs, so the peak needs F pods at any setting; a stepped Poisson-like rate of 0.25F, F, 0.5F, 0.25F
@@ -43,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fleet_sim import ROUTINGS, FleetSim  # noqa: E402
+from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim  # noqa: E402
 from iterserve.operator.tuning.decide import TunerState, decide  # noqa: E402
 from iterserve.operator.tuning.knobs import Knobs  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
@@ -112,10 +113,10 @@ class Hpa:
 
 
 def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float = 60.0,
-             routing: str = "round-robin") -> Run:
+             routing: str = "round-robin", fleet_p99: str = "merged") -> Run:
     rates = load(fleet)
     first = max(1, math.ceil(rates[0][0] / (CAPACITY * 0.9)))
-    sim, run = FleetSim(first, seed, start_s, routing), Run()
+    sim, run = FleetSim(first, seed, start_s, routing, fleet_p99), Run()
     tuner = TunerState(START)
     scaler = ScaleState()
     scale_policy = ScalePolicy(min_replicas=1, max_replicas=2 * fleet, settle_s=TICK_S,
@@ -157,13 +158,14 @@ def best_hpa(by_threshold: dict[float, dict]) -> tuple[float, dict]:
     return max(by_threshold.items(), key=lambda kv: kv[1]["within_slo_settled"])
 
 
-def compare(fleet: int, routing: str, seeds: range, thresholds: list[float], start_s: float) -> dict:
+def compare(fleet: int, routing: str, seeds: range, thresholds: list[float], start_s: float,
+            fleet_p99: str = "merged") -> dict:
     """One fleet size behind one routing: the three controllers, the HPA at each threshold."""
     row: dict = {"fleet": fleet, "routing": routing}
     for name in ("knobs", "replicas"):
-        row[name] = median_summary([simulate(fleet, s, name, start_s=start_s, routing=routing) for s in seeds])
-    row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing) for s in seeds])
-                  for th in thresholds}
+        row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99) for s in seeds])
+    row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99)
+                                           for s in seeds]) for th in thresholds}
     th, best = best_hpa({float(k): v for k, v in row["hpa"].items()})
     row["best_hpa_threshold"] = th
     ours = row["replicas"]
@@ -190,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", default="0.5,1,2,4,8,16")
     ap.add_argument("--routings", default=",".join(ROUTINGS),
                     help="round-robin (a plain Service), least-load (spec.router), or both")
+    ap.add_argument("--fleet-p99", choices=FLEET_P99S, default="merged",
+                    help="the fleet's p99: the pods' histograms summed (what the operator reads), or the worst pod's")
     ap.add_argument("--start-s", type=float, default=60.0, help="seconds a new pod takes to be ready")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -203,7 +207,7 @@ def main(argv=None) -> int:
           f"{'replica-s':>9} | {'peak':>4} | vs best HPA")
     for fleet in fleets:
         for routing in routings:
-            results.append(compare(fleet, routing, range(args.seeds), thresholds, args.start_s))
+            results.append(compare(fleet, routing, range(args.seeds), thresholds, args.start_s, args.fleet_p99))
             print_row(results[-1])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
