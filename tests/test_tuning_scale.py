@@ -186,13 +186,15 @@ def test_headroom_and_pressure_are_timed_from_their_first_window():
        waiting=st.floats(0, 200), running=st.floats(0, 64), samples=st.integers(0, 200),
        verdict=st.sampled_from([MET, BOUNDS, NO_BETTER, BREACHED, NOT_OBSERVED]),
        action=st.sampled_from([HOLD, ROLLBACK, RAISE_SEQS]), since=st.floats(0, 2000),
-       capacity=st.none() | st.floats(0.1, 50), lo=st.integers(1, 8), span=st.integers(0, 24))
+       capacity=st.none() | st.floats(0.1, 50), lo=st.integers(1, 8), span=st.integers(0, 24),
+       start_s=st.none() | st.floats(0, 600), queued_before=st.floats(0, 400))
 def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_by_one(replicas, ready, ttft, rate, waiting, running,
                                                                       samples, verdict, action, since, capacity, lo,
-                                                                      span):
+                                                                      span, start_s, queued_before):
     policy = dataclasses.replace(POLICY, min_replicas=lo, max_replicas=lo + span)
     state = ScaleState(last_scale_time=NOW - since, last_direction=SCALE_OUT, capacity=capacity,
-                       headroom_since=NOW - since, pressure_since=NOW - since)
+                       headroom_since=NOW - since, pressure_since=NOW - since, start_s=start_s,
+                       last_queue=(NOW - 30, queued_before))
     obs = window(ttft=ttft, n=samples, waiting=waiting, running=running, rate=rate, pods=max(1, min(ready, replicas)))
     d = decide_scale(state, fleet(obs, replicas=replicas, ready=ready, verdict=verdict, action=action), policy, NOW)
     assert policy.min_replicas <= d.replicas <= policy.max_replicas
