@@ -164,11 +164,14 @@ def _write_knobs(kube: Kube, svc: LLMService, out: Outcome, choose, *, keep_reco
 def apply_child(kube: Kube, svc: LLMService, desired: dict, out: Outcome) -> dict:
     """Server-side apply of a rendered child; records created/updated (with the drifted fields). Skipped
     when the child as stored already holds every field of this rendering and was last applied from it
-    (drift.apply_needed): most passes change nothing, and each apply is a write the API server stores."""
+    (drift.apply_needed): most passes change nothing, and each apply is a write the API server stores.
+    The child as stored comes from the watch-fed cache when it has it and it shows no drift, else a GET."""
     meta = desired["metadata"]
-    current = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
-    _check_ours(current, svc)
     stamped = with_applied_digest(desired)
+    current = kube.cached(desired["kind"], meta["namespace"], meta["name"])
+    if current is None or apply_needed(stamped, current):  # no entry, or drift a lagging watch may show
+        current = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    _check_ours(current, svc)
     if current is not None and not apply_needed(stamped, current):
         return current
     applied = kube.apply(stamped)

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 
+from iterserve.operator.child_cache import ChildCache
 from iterserve.operator.controller import same_decision_kept
 from iterserve.operator.drift import APPLIED_DIGEST_ANNOTATION, apply_needed, with_applied_digest
 
@@ -94,3 +95,34 @@ def test_same_decision_kept(title, new, before, kept_time):
     assert kept["ttftP99Ms"] == 20.0
     assert {k: v for k, v in kept["lastDecision"].items() if k != "time"} == \
         {k: v for k, v in new.items() if k != "time"}
+
+
+def deployment_event(name: str, labels: dict | None, **meta) -> dict:
+    return {"metadata": {"namespace": "ns", "name": name, "labels": labels or {}, **meta}}
+
+
+OURS = {"app.kubernetes.io/managed-by": "iterserve-operator"}
+
+
+@pytest.mark.parametrize("title, events, cached", [
+    ("listed and added", [(None, deployment_event("a", OURS)), ("ADDED", deployment_event("b", OURS))], ["a", "b"]),
+    ("someone else's Deployment", [("ADDED", deployment_event("c", {"app": "c"}))], []),
+    ("our label taken away", [("ADDED", deployment_event("a", OURS)), ("MODIFIED", deployment_event("a", {}))], []),
+    ("deleted", [("ADDED", deployment_event("a", OURS)), ("DELETED", deployment_event("a", OURS))], []),
+    ("being deleted", [("ADDED", deployment_event("a", OURS)),
+                       ("MODIFIED", deployment_event("a", OURS, deletionTimestamp="2026-01-01T00:00:00Z"))], []),
+])
+def test_child_cache_holds_only_ours_as_last_seen(title, events, cached):
+    cache = ChildCache("Deployment")
+    for event_type, obj in events:
+        cache.observe(event_type, obj)
+    assert [name for name in "abc" if cache.get("ns", name) is not None] == cached
+    assert len(cache) == len(cached)
+
+
+def test_child_cache_keeps_the_latest_event():
+    cache = ChildCache("Deployment")
+    cache.observe("ADDED", deployment_event("a", OURS, resourceVersion="1"))
+    cache.observe("MODIFIED", deployment_event("a", OURS, resourceVersion="2"))
+    assert cache.get("ns", "a")["metadata"]["resourceVersion"] == "2"
+    assert cache.get("other", "a") is None
