@@ -77,6 +77,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
         memo.kube = Kube(kubernetes.client.ApiClient(config))
     # fed by cache_deployment below, read by every pass instead of a GET per Deployment (child_cache.py)
     memo.kube.caches.setdefault("Deployment", ChildCache("Deployment"))
+    logging.getLogger("kopf.objects").addFilter(_quiet_cache_feed)
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
     if getattr(memo, "operator_peer", None) is None:  # `iterserve operator` passes its flags'
@@ -158,6 +159,11 @@ def _owner(body) -> tuple[str, str] | None:
         if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/") and ref.get("controller"):
             return body["metadata"]["namespace"], ref["name"]
     return None
+
+
+def _quiet_cache_feed(record: logging.LogRecord) -> bool:
+    """kopf logs every handler's success; the cache's, one per Deployment event, says nothing."""
+    return record.getMessage() != "Handler 'cache_deployment' succeeded."
 
 
 # Unfiltered, so that a Deployment whose managed-by label was taken away leaves the cache; async and
