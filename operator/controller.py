@@ -46,12 +46,14 @@ class Result:
     gone: bool = False  # the LLMService was deleted meanwhile
 
 
-def patch_status(kube: Kube, namespace: str, name: str, compute) -> tuple[dict, dict] | None:
+def patch_status(kube: Kube, namespace: str, name: str, compute, read: dict | None = None) -> tuple[dict, dict] | None:
     """Read-modify-write of the status, guarded by resourceVersion so that concurrent writers (the
     reconcile and the tuner own different fields) never overwrite each other. `compute(current_status)`
-    returns the fields to merge in. Returns (before, patch), or None when the LLMService is gone."""
+    returns the fields to merge in. `read`: the LLMService as just read under the object lock, saving the
+    first GET (a write in between fails the resourceVersion check and is read again). Returns (before,
+    patch), or None when the LLMService is gone."""
     for _ in range(MAX_STATUS_RETRIES):
-        current = kube.get_llmservice(namespace, name)
+        current, read = (read, None) if read is not None else (kube.get_llmservice(namespace, name), None)
         if current is None or current["metadata"].get("deletionTimestamp"):
             return None
         before = current.get("status") or {}
@@ -71,9 +73,10 @@ def patch_status(kube: Kube, namespace: str, name: str, compute) -> tuple[dict, 
     raise RuntimeError(f"status of {namespace}/{name}: still conflicting after {MAX_STATUS_RETRIES} tries")
 
 
-def write_status(kube: Kube, namespace: str, name: str, obs: ReconcileResult) -> tuple[list[dict], bool]:
+def write_status(kube: Kube, namespace: str, name: str, obs: ReconcileResult,
+                 read: dict | None = None) -> tuple[list[dict], bool]:
     """The operator's part of the status. Returns (condition transitions, gone)."""
-    written = patch_status(kube, namespace, name, lambda before: compute_status(obs, before, now_iso()))
+    written = patch_status(kube, namespace, name, lambda before: compute_status(obs, before, now_iso()), read)
     if written is None:
         return [], True
     before, fields = written
@@ -87,10 +90,20 @@ def write_tuning_status(kube: Kube, namespace: str, name: str, fields: dict, tun
     def compute(before: dict) -> dict:
         conditions = set_condition(before.get("conditions"), TUNED, tuned["status"], tuned["reason"],
                                    tuned.get("message", ""), observed_generation=before.get("observedGeneration"))
-        return {**fields, "conditions": conditions}
+        return {**same_decision_kept(fields, before), "conditions": conditions}
 
     with object_lock(namespace, name):
         return patch_status(kube, namespace, name, compute) is not None
+
+
+def same_decision_kept(fields: dict, before: dict) -> dict:
+    """`fields` with lastDecision as `before` has it when only its time differs: the time says since when
+    the decision (action, reason and the figures in it) stands, and a tick that reaches it again writes
+    nothing, rather than a status PATCH (and a watch event to every watcher) per service and tick."""
+    new, old = fields.get("lastDecision"), before.get("lastDecision")
+    if isinstance(new, dict) and isinstance(old, dict) and {**new, "time": old.get("time")} == old:
+        return {**fields, "lastDecision": old}
+    return fields
 
 
 def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: OperatorPeer = OperatorPeer()) -> Result:
@@ -122,7 +135,7 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: Operat
                                   autoscaling=svc.autoscaling is not None, tuning_mode=svc.tuning.mode,
                                   deployment=outcome.deployment, knobs=outcome.knobs, problems=outcome.problems,
                                   **_router_fields(svc, outcome.router))
-        result.transitions, result.gone = write_status(kube, namespace, name, obs)
+        result.transitions, result.gone = write_status(kube, namespace, name, obs, read=current)
         return result
 
 
@@ -157,7 +170,7 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
                               replicas_wanted=svc.replicas, autoscaling=svc.autoscaling is not None,
                               tuning_mode=svc.tuning.mode, deployment=deployment,
                               knobs=knobs, problems=result.problems, **_router_fields(svc, router))
-        result.transitions, result.gone = write_status(kube, namespace, name, obs)
+        result.transitions, result.gone = write_status(kube, namespace, name, obs, read=body)
         return result
 
 

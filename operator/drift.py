@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from iterserve.operator.builders.labels import MANAGED_BY
+import hashlib
+import json
+
+from iterserve.operator.builders.labels import ANNOTATION_PREFIX, MANAGED_BY
+
+# On every child the operator server-side applies: a digest of what it applied. A rendering that drops a
+# field (an annotation, a resource limit) leaves no difference `differences` can see in the stored
+# object, but it changes the digest, so the apply that removes the field still happens.
+APPLIED_DIGEST_ANNOTATION = ANNOTATION_PREFIX + "applied-digest"
+# Fields the API server replaces whole on an apply (atomic maps and label selectors): a key someone
+# added there is drift too, and `differences` alone, which ignores keys only the stored object has,
+# would not see it.
+ATOMIC_PATHS = (("spec", "selector"), ("spec", "podSelector"))
 
 
 def differences(desired, actual, path: str = "", limit: int = 8) -> list[str]:
@@ -25,6 +37,38 @@ def _walk(desired, actual, path: str, found: list[str], limit: int) -> None:
             _walk(d, a, f"{path}[{i}]", found, limit)
     elif desired != actual and not _same_number(desired, actual):
         found.append(path)
+
+
+def with_applied_digest(desired: dict) -> dict:
+    """`desired` carrying the digest of itself (without the digest) in APPLIED_DIGEST_ANNOTATION."""
+    meta = desired["metadata"]
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != APPLIED_DIGEST_ANNOTATION}
+    bare = {**desired, "metadata": {**meta, "annotations": annotations}}
+    if not annotations:
+        del bare["metadata"]["annotations"]
+    digest = hashlib.sha256(json.dumps(bare, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    return {**desired, "metadata": {**meta, "annotations": {**annotations, APPLIED_DIGEST_ANNOTATION: digest}}}
+
+
+def apply_needed(desired: dict, actual: dict | None) -> list[str]:
+    """Why a server-side apply of `desired` (stamped by `with_applied_digest`) would change `actual`, the
+    child as stored: the paths that drifted or changed, none when the apply can be skipped. ["(missing)"]
+    when there is no child."""
+    if actual is None:
+        return ["(missing)"]
+    found = differences(desired, actual)
+    for path in ATOMIC_PATHS:
+        want, have = _at(desired, path), _at(actual, path)
+        key = ".".join(path)
+        if want is not None and want != have and key not in found:
+            found.append(key)
+    return found
+
+
+def _at(obj, path: tuple[str, ...]):
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
 
 
 def _same_number(a, b) -> bool:

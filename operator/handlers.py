@@ -28,6 +28,7 @@ import kubernetes
 from iterserve.operator import background, controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY
 from iterserve.operator.builders.networkpolicy import OperatorPeer
+from iterserve.operator.child_cache import ChildCache
 from iterserve.operator.constants import (
     DEFAULT_MAX_CONCURRENT_SCRAPES,
     DEFAULT_OPERATOR_NAMESPACE,
@@ -74,6 +75,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
         # ticks): urllib3's default (5 per CPU) made those threads open a new TLS connection per request
         config.connection_pool_maxsize = BACKGROUND_THREADS + KOPF_WORKERS
         memo.kube = Kube(kubernetes.client.ApiClient(config))
+    # fed by cache_deployment below, read by every pass instead of a GET per Deployment (child_cache.py)
+    memo.kube.caches.setdefault("Deployment", ChildCache("Deployment"))
+    logging.getLogger("kopf.objects").addFilter(_quiet_cache_feed)
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
     if getattr(memo, "operator_peer", None) is None:  # `iterserve operator` passes its flags'
@@ -155,6 +159,20 @@ def _owner(body) -> tuple[str, str] | None:
         if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/") and ref.get("controller"):
             return body["metadata"]["namespace"], ref["name"]
     return None
+
+
+def _quiet_cache_feed(record: logging.LogRecord) -> bool:
+    """kopf logs every handler's success; the cache's, one per Deployment event, says nothing."""
+    return record.getMessage() != "Handler 'cache_deployment' succeeded."
+
+
+# Unfiltered, so that a Deployment whose managed-by label was taken away leaves the cache; async and
+# trivial, so the events of other Deployments cost no worker thread.
+@kopf.on.event("apps", "v1", "deployments")
+async def cache_deployment(event, memo: kopf.Memo, **_) -> None:
+    cache = memo.kube.caches.get("Deployment")
+    if cache is not None:
+        cache.observe(event.get("type"), event["object"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})

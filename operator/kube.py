@@ -13,6 +13,7 @@ import json
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from iterserve.operator.child_cache import ChildCache
 from iterserve.operator.constants import GROUP, KIND, PLURAL, VERSION
 
 FIELD_MANAGER = "iterserve-operator"
@@ -46,6 +47,13 @@ class Kube:
     def __init__(self, api_client: ApiClient, timeout: float = 30.0):
         self.api_client = api_client
         self.timeout = timeout
+        # kind -> the objects a watch feeds (operator/child_cache.py); empty where nothing watches them
+        self.caches: dict[str, ChildCache] = {}
+
+    def cached(self, kind: str, namespace: str, name: str) -> dict | None:
+        """The object as a watch last delivered it, a hint only (child_cache.py); None: ask the server."""
+        cache = self.caches.get(kind)
+        return None if cache is None else cache.get(namespace, name)
 
     def request(self, method: str, path: str, body=None, *, query: list | None = None,
                 content_type: str = "application/json") -> dict:

@@ -41,7 +41,7 @@ from iterserve.operator.builders.secret import (
     token_digest,
 )
 from iterserve.operator.builders.service import build_service
-from iterserve.operator.drift import differences, foreign_owner
+from iterserve.operator.drift import apply_needed, differences, foreign_owner, with_applied_digest
 from iterserve.operator.knob_plan import KnobPlan, describe_change, plan_knobs
 from iterserve.operator.kube import Kube, is_status
 from iterserve.operator.spec import LLMService
@@ -162,15 +162,24 @@ def _write_knobs(kube: Kube, svc: LLMService, out: Outcome, choose, *, keep_reco
 
 
 def apply_child(kube: Kube, svc: LLMService, desired: dict, out: Outcome) -> dict:
-    """Server-side apply of a rendered child; records created/updated (with the drifted fields)."""
+    """Server-side apply of a rendered child; records created/updated (with the drifted fields). Skipped
+    when the child as stored already holds every field of this rendering and was last applied from it
+    (drift.apply_needed): most passes change nothing, and each apply is a write the API server stores.
+    The child as stored comes from the watch-fed cache when it has it and it shows no drift, else a GET."""
     meta = desired["metadata"]
-    current = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    stamped = with_applied_digest(desired)
+    current = kube.cached(desired["kind"], meta["namespace"], meta["name"])
+    if current is None or apply_needed(stamped, current):  # no entry, or drift a lagging watch may show
+        current = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
     _check_ours(current, svc)
-    applied = kube.apply(desired)
+    if current is not None and not apply_needed(stamped, current):
+        return current
+    applied = kube.apply(stamped)
     if current is None:
         out.changes.append(Change(desired["kind"], meta["name"], "created"))
     elif applied["metadata"]["resourceVersion"] != current["metadata"]["resourceVersion"]:
-        drift = differences(desired, current)
+        # the fields that drifted or changed; none when only fields the rendering dropped went away
+        drift = apply_needed(desired, current) or ["the rendering (a field dropped, or no digest yet)"]
         out.changes.append(Change(desired["kind"], meta["name"], "updated", ", ".join(drift)))
     return applied
 

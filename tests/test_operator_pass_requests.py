@@ -1,0 +1,101 @@
+"""The requests one reconcile pass sends to the real API server: a pass that finds every child as it
+renders it writes none, drift and spec changes are still applied, and the Deployment comes from the
+watch-fed cache when that shows no drift (operator/child_cache.py)."""
+
+from __future__ import annotations
+
+import json
+
+from iterserve.operator import controller
+from iterserve.operator.child_cache import ChildCache
+from iterserve.operator.kube import Kube
+from tests.operator_support import apply_llmservice, merge_patch_llmservice
+
+WRITES = ("POST", "PATCH", "PUT", "DELETE")
+
+
+class CountingKube(Kube):
+    """The operator's client, recording (verb, resource path) of every request it sends."""
+
+    def __init__(self, api_client):
+        super().__init__(api_client)
+        self.calls: list[tuple[str, str]] = []
+
+    def request(self, method, path, body=None, **kwargs):
+        self.calls.append((method, path))
+        return super().request(method, path, body, **kwargs)
+
+    def take(self) -> list[tuple[str, str]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def child_writes(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Writes other than the LLMService's status (which follows the Deployment's, set by its controller)."""
+    return [(m, p) for m, p in calls if m in WRITES and not p.endswith("/status")]
+
+
+def pass_of(kube: CountingKube, ns: str, name: str) -> list[tuple[str, str]]:
+    body = kube.get_llmservice(ns, name)
+    kube.take()
+    result = controller.handle(kube, body)
+    assert not result.problems, result.problems
+    return kube.take()
+
+
+def test_a_pass_over_children_as_rendered_writes_nothing_and_drift_is_still_applied(kube_cluster, kube_namespace):
+    kube, ns = CountingKube(kube_cluster.api_client()), kube_namespace
+    apply_llmservice(kube_cluster, ns, "chat", {"engine": {"maxNumSeqs": 12}})
+    first = pass_of(kube, ns, "chat")
+    assert ("POST", f"/apis/apps/v1/namespaces/{ns}/deployments") not in first  # created by apply (PATCH)
+    assert any(m == "PATCH" and p.endswith("/deployments/chat") for m, p in first)
+    idle = pass_of(kube, ns, "chat")
+    print("requests of a pass that changes nothing:", json.dumps(idle))
+    assert child_writes(idle) == []
+    assert ("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/chat") in idle
+
+    # drift someone made: put back
+    kube_cluster.kubectl("set", "image", "deployment/chat", "-n", ns, "server=example.com/other:1")
+    repaired = pass_of(kube, ns, "chat")
+    assert child_writes(repaired) == [("PATCH", f"/apis/apps/v1/namespaces/{ns}/deployments/chat")]
+    image = kube.get("apps/v1", "Deployment", ns, "chat")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image.startswith("ghcr.io/iterserve")
+
+    # a spec change: rolled out (the Deployment's replicas), and a PodDisruptionBudget for 2 replicas
+    merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"replicas": 2}})
+    changed = pass_of(kube, ns, "chat")
+    assert ("PATCH", f"/apis/apps/v1/namespaces/{ns}/deployments/chat") in child_writes(changed)
+    assert kube.get("apps/v1", "Deployment", ns, "chat")["spec"]["replicas"] == 2
+    assert kube.get(kube.pdb_api_version, "PodDisruptionBudget", ns, "chat") is not None
+    assert child_writes(pass_of(kube, ns, "chat")) == []
+
+
+def test_the_cached_deployment_saves_the_get_and_drift_in_it_sends_the_pass_to_the_server(kube_cluster,
+                                                                                          kube_namespace):
+    kube, ns = CountingKube(kube_cluster.api_client()), kube_namespace
+    apply_llmservice(kube_cluster, ns, "chat", {})
+    pass_of(kube, ns, "chat")
+    cache = kube.caches["Deployment"] = ChildCache("Deployment")
+    deployment_path = f"/apis/apps/v1/namespaces/{ns}/deployments/chat"
+    cache.observe("ADDED", kube.get("apps/v1", "Deployment", ns, "chat"))
+    cached = pass_of(kube, ns, "chat")
+    assert ("GET", deployment_path) not in cached and child_writes(cached) == []
+
+    # the watch delivers an edit: the pass reads the Deployment from the server and puts it back
+    kube_cluster.kubectl("set", "image", "deployment/chat", "-n", ns, "server=example.com/other:1")
+    cache.observe("MODIFIED", kube.get("apps/v1", "Deployment", ns, "chat"))
+    repaired = pass_of(kube, ns, "chat")
+    assert ("GET", deployment_path) in repaired
+    assert child_writes(repaired) == [("PATCH", deployment_path)]
+    assert kube.get("apps/v1", "Deployment", ns, "chat")["spec"]["template"]["spec"]["containers"][0]["image"] \
+        .startswith("ghcr.io/iterserve")
+
+    # a deleted Deployment the watch has not reported yet: the pass sees no drift in its entry and skips;
+    # the DELETED event empties the entry and the next pass creates it again
+    cache.observe("MODIFIED", kube.get("apps/v1", "Deployment", ns, "chat"))  # the repair, as watched
+    kube.delete("apps/v1", "Deployment", ns, "chat")
+    kube.take()
+    assert child_writes(pass_of(kube, ns, "chat")) == []
+    cache.observe("DELETED", {"metadata": {"namespace": ns, "name": "chat"}})
+    assert ("PATCH", deployment_path) in child_writes(pass_of(kube, ns, "chat"))
+    assert kube.get("apps/v1", "Deployment", ns, "chat") is not None
