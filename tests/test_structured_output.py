@@ -11,6 +11,7 @@ without a grammar unchanged by batch mates that have one.
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import pytest
@@ -233,3 +234,41 @@ def test_the_grammar_end_stops_a_request_that_ignores_eos(engine):
                                                            structured_output=grammar(schema))])
     assert out.finish_reason == "stop" and len(out.token_ids) < 100
     assert json.loads(out.text) in ({"ok": True}, {"ok": False})
+
+
+def test_a_batch_without_grammars_builds_no_mask(json_model):
+    """Requests without a grammar pay nothing for the grammar engine: no step carries a mask, no fill runs."""
+    engine = make_engine(json_model, max_num_seqs=4)
+    seen = []
+    execute = engine.core.model_runner.execute_model
+    engine.core.model_runner.execute_model = lambda out: (seen.append(out.grammar_bitmask), execute(out))[1]
+    run(engine, [[7, 8, 9]] * 4, [SamplingParams(max_tokens=8, temperature=0)] * 4)
+    assert seen and all(b is None for b in seen)
+    assert engine.core.grammar._batch is None and engine.core.grammar._last_fill is None
+
+
+def test_masks_fill_while_the_model_runs(json_model):
+    """The core hands the runner masks still being filled, on the mask thread; the forward pass does not
+    wait for them. The fill here waits until the runner was entered: were the fill done before the forward
+    pass (serially), it would time out, and the outputs would differ from the plain sequential run."""
+    prompts, params = _mixed_batch(4, with_grammar=True)
+    expected = run(make_engine(json_model, max_num_seqs=4), prompts, params)
+    engine = make_engine(json_model, max_num_seqs=4)
+    grammar, runner = engine.core.grammar, engine.core.model_runner
+    entered, fills = threading.Event(), []
+    fill, execute = grammar._fill, runner.execute_model
+
+    def gated_fill(ids, matchers):
+        fills.append((entered.wait(timeout=30), threading.current_thread().name))
+        return fill(ids, matchers)
+
+    def entering_execute(out):
+        entered.set()
+        result = execute(out)
+        entered.clear()
+        return result
+
+    grammar._fill, runner.execute_model = gated_fill, entering_execute
+    outputs = run(engine, prompts, params)
+    assert fills and all(ok and name.startswith("iterserve-grammar-mask") for ok, name in fills)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]

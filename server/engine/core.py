@@ -9,7 +9,8 @@ request into them. Requests, aborts and knob changes may come from other threads
 the next step. With prefix caching on, the blocks a step fills are findable from the moment it is
 scheduled; a step that fails leaves them without their K/V, so the whole prefix cache is forgotten.
 A request with structured output waits (others overtaking it) until its grammar compiled; each step it
-samples in gets its token mask (grammar_manager.py), and its matcher advances on the token it was given.
+samples in gets its token mask (grammar_manager.py: filled on another thread while the model runs, waited
+for where the runner applies it), and its matcher advances on the token it was given.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class EngineCore:
         grammar = self.grammar if self.grammar is not None and self.grammar.num_live else None
         if grammar is not None:
             grammar.free(scheduler_output.finished_request_ids)  # aborted ones among them
+            # starts the fill, which runs beside the forward pass below
             scheduler_output.grammar_bitmask = grammar.bitmask(
                 [s.request_id for s in scheduler_output.scheduled
                  if s.sampling_params is not None and s.sampling_params.structured_output is not None])

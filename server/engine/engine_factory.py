@@ -136,7 +136,10 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
     core = EngineCore(runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=config.block_size,
                       knobs=config.initial_knobs(), policy=config.policy, eos_token_ids=eos_token_ids,
                       enable_prefix_caching=config.enable_prefix_caching,
-                      grammar=None if tokenizer is None else GrammarManager(tokenizer, mc.vocab_size, eos_token_ids))
+                      grammar=None if tokenizer is None else GrammarManager(
+                          tokenizer, mc.vocab_size, eos_token_ids,
+                          # the masks fill beside the forward pass: on a CPU model it holds the cores
+                          fill_threads=1 if device.type == "cpu" else torch.get_num_threads()))
     runner.allocate_kv_cache(num_blocks)
     report = (
         f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} tokens, "

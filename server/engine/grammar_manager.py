@@ -3,10 +3,14 @@
     add(request)          a request with structured output: its grammar compiles in a background thread
                           (xgrammar releases the GIL; a cache keyed by the schema text makes a repeat free),
                           and the scheduler admits it once `ready` (others overtake it meanwhile)
-    bitmask(out)          before the model runs: one int32 bitmask row per sampling request with a grammar,
-                          or None (no cost at all while no live request has a grammar)
-    accept(id, token)     after sampling: advance the matcher on the accepted token; True once the grammar
-                          reached its end state (the request then stops, as vLLM's)
+    bitmask(out)          when the step is scheduled: one int32 bitmask row per sampling request with a
+                          grammar, filled on the mask thread while the model runs (xgrammar's fill is C++
+                          that releases the GIL; vLLM and SGLang overlap it the same way); the runner waits
+                          for it only where it applies it, after the forward pass. None (no cost at all)
+                          while no live request has a grammar
+    accept(id, token)     after sampling (the step's fill is done: accept waits for it, so a matcher never
+                          advances while it is read): advance the matcher on the accepted token; True once
+                          the grammar reached its end state (the request then stops, as vLLM's)
     free(ids)             finished or aborted requests drop their matcher
 
 Preemption needs nothing here: a matcher has seen exactly the request's accepted output tokens, which
@@ -33,16 +37,23 @@ logger = logging.getLogger("iterserve.grammar")
 
 @dataclass
 class GrammarBitmask:
-    """One step's token masks: row i (bit t of word t // 32) allows token t for request_ids[i]."""
+    """One step's token masks, being filled: row i (bit t of word t // 32) allows token t for request_ids[i].
+    The scheduler output carries it as data; `result()` is where the runner waits for the fill."""
 
     request_ids: list[str]
-    bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32, on the CPU
+    fill: Future[torch.Tensor]  # -> [len(request_ids), ceil(vocab / 32)] int32, on the CPU
+
+    def result(self) -> torch.Tensor:
+        return self.fill.result()
 
 
 class GrammarManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
-        """tokenizer: the model's (server/model/tokenizer.py); its vocabulary is read on the first grammar."""
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, fill_threads: int = 1):
+        """tokenizer: the model's (server/model/tokenizer.py); its vocabulary is read on the first grammar.
+        fill_threads: xgrammar's threads for a step's masks, which run alongside the forward pass (one where
+        the model computes on the CPU's cores, more where it runs on a GPU and the cores are free)."""
         self.tokenizer = tokenizer
+        self.fill_threads = max(1, fill_threads)
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         # one thread: compiles use xgrammar's own threads, and the engine loop keeps a core of its own
@@ -51,6 +62,10 @@ class GrammarManager:
         self._compiling: dict[str, Future] = {}  # request id -> its compiled grammar, until it has a matcher
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}  # request id -> its matcher
         self._batch: xgrammar.BatchGrammarMatcher | None = None
+        # its own thread, not the compile pool's: a step's masks must not queue behind a long compile; one
+        # thread, so a step's fill never overlaps the previous step's
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iterserve-grammar-mask")
+        self._last_fill: Future[torch.Tensor] | None = None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -95,15 +110,20 @@ class GrammarManager:
         ids = [r for r in sampling_ids if r in self._matchers or r in self._compiling]
         if not ids:
             return None
+        matchers = [self._matcher(r) for r in ids]  # on this thread: they come from the compile pool
+        self._last_fill = self._mask_pool.submit(self._fill, ids, matchers)
+        return GrammarBitmask(ids, self._last_fill)
+
+    def _fill(self, ids: list[str], matchers: list) -> torch.Tensor:
+        """On the mask thread: the rows of `matchers`, as the model runs."""
         import xgrammar
 
-        matchers = [self._matcher(r) for r in ids]
         bitmask = xgrammar.allocate_token_bitmask(len(ids), self.vocab_size)
         if self._batch is None:
-            # the fill runs between forward passes, so it may use the threads the model computes with
-            self._batch = xgrammar.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=self.fill_threads)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        dead = (~bitmask.any(dim=1)).nonzero().flatten().tolist()
+        # numpy, not torch: a torch op on this thread would start an OpenMP team of its own beside the model's
+        dead = (~bitmask.numpy().any(axis=1)).nonzero()[0].tolist()
         for row in dead:
             # no token continues the text (a byte sequence the grammar took but cannot finish): all -inf would
             # leave nothing to sample, so let the request end on EOS (its matcher refuses it: it stops)
@@ -111,7 +131,7 @@ class GrammarManager:
             for t in self.eos_token_ids:
                 bit = 1 << (t % 32)
                 bitmask[row, t // 32] |= bit - (1 << 32 if bit >= 1 << 31 else 0)  # as an int32
-        return GrammarBitmask(ids, bitmask)
+        return bitmask
 
     def accept(self, request_id: str, token_id: int) -> bool | None:
         """Advance the request's matcher on its sampled token: None when it has no grammar, else whether the
@@ -120,6 +140,9 @@ class GrammarManager:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return None
+        if self._last_fill is not None:  # done already when the runner applied it; a runner that ignores
+            self._last_fill.result()     # masks must still not advance a matcher the fill is reading
+            self._last_fill = None
         if not matcher.accept_token(token_id):
             logger.warning("request %s sampled token %d, which its grammar does not allow", request_id, token_id)
             return True

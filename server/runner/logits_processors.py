@@ -54,15 +54,17 @@ def apply_grammar_bitmask(logits: torch.Tensor, raw_logits: torch.Tensor, sampli
                           grammar: GrammarBitmask) -> torch.Tensor:
     """Set to -inf every token a row's grammar does not allow, in the rows of `grammar.request_ids`, in place
     (xgrammar's kernel: C++ on CPU, Triton on CUDA); on a copy only when the logits are the raw ones and a
-    row reports logprobs, which come from them."""
+    row reports logprobs, which come from them. The masks were filled while the model ran: this is where
+    the step waits for them."""
     import xgrammar
 
     row_of = {s.request_id: i for i, s in enumerate(sampling)}
     rows = [row_of[r] for r in grammar.request_ids]
     if logits is raw_logits and any(s.sampling_params and s.sampling_params.logprobs for s in sampling):
         logits = logits.clone()
-    full = torch.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=torch.int32)  # -1: all allowed
-    full[rows] = grammar.bitmask
+    masks = grammar.result()
+    full = torch.full((logits.shape[0], masks.shape[1]), -1, dtype=torch.int32)  # -1: all allowed
+    full[rows] = masks
     xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), indices=rows,
                                          vocab_size=logits.shape[-1])
     return logits
