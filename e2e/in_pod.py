@@ -20,8 +20,8 @@ import time
 
 
 def bench(args) -> dict:
-    from iterserve.server.bench.load import BenchConfig, run_bench
-    from iterserve.server.bench.workload import WorkloadSpec, parse_length
+    from iterserve.bench.load import BenchConfig, run_bench
+    from iterserve.bench.workload import WorkloadSpec, parse_length
 
     stop = threading.Event()
 

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from PIL import Image
 
-from iterserve.server.bench.load import BenchConfig, Progress, run_bench
-from iterserve.server.bench.plots import write_plots
-from iterserve.server.bench.report import e2e, fraction_at_or_below, itls, tpot, ttft
-from iterserve.server.bench.result import RunResult
-from iterserve.server.bench.workload import WorkloadSpec, parse_length
+from iterserve.bench.load import BenchConfig, Progress, run_bench
+from iterserve.bench.plots import write_plots
+from iterserve.bench.report import e2e, fraction_at_or_below, itls, tpot, ttft
+from iterserve.bench.result import RunResult
+from iterserve.bench.workload import WorkloadSpec, parse_length
 from tests.server_support import ROOT, metric_value, start_subprocess
 
 pytestmark = pytest.mark.slow

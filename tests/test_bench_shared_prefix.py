@@ -1,4 +1,4 @@
-"""`iterserve bench`'s shared-prefix workloads (server/bench/shared_prefix.py): seeded, prefixes shared as
+"""`iterserve bench`'s shared-prefix workloads (bench/shared_prefix.py): seeded, prefixes shared as
 their parameters say, histories resent turn after turn, and the best possible hit count."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from iterserve.server.bench import cli as bench_cli
-from iterserve.server.bench.shared_prefix import max_prefix_hits
-from iterserve.server.bench.workload import WorkloadError, WorkloadSpec, generate_requests, parse_length
+from iterserve.bench import cli as bench_cli
+from iterserve.bench.shared_prefix import max_prefix_hits
+from iterserve.bench.workload import WorkloadError, WorkloadSpec, generate_requests, parse_length
 
 
 def _requests(n=40, **kw):

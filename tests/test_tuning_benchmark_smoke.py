@@ -23,8 +23,8 @@ from benchmarks.tuning_report import (
     verdict,
 )
 from benchmarks.tuning_runs import convergence_s, within_one_step
+from iterserve.bench.client import RequestRecord
 from iterserve.operator.tuning.policy import TuningPolicy
-from iterserve.server.bench.client import RequestRecord
 
 POLICY = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100)  # seqs_step 2, back-off x0.5, chunk factor 2
 

@@ -24,9 +24,9 @@ import statistics
 import httpx
 import pytest
 
+from iterserve.bench.load import BenchConfig, run_bench
+from iterserve.bench.workload import WorkloadSpec, parse_length
 from iterserve.operator.tuning.pod_admin import get_scheduler
-from iterserve.server.bench.load import BenchConfig, run_bench
-from iterserve.server.bench.workload import WorkloadSpec, parse_length
 from tests.kubelet_standin import LocalKubelet
 from tests.operator_support import (
     TIMEOUT,

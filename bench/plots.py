@@ -11,8 +11,8 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from iterserve.server.bench import report  # noqa: E402
-from iterserve.server.bench.result import BenchResult, RunResult  # noqa: E402
+from iterserve.bench import report  # noqa: E402
+from iterserve.bench.result import BenchResult, RunResult  # noqa: E402
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end-to-end latency"))
 MAX_TIMELINE_ROWS = 8

@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from iterserve.server.bench.client import RequestRecord
+from iterserve.bench.client import RequestRecord
 
 QUANTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "tpot", "itl", "e2e")

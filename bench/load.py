@@ -3,8 +3,8 @@ sweeps over either. This is also the Python API other tools (the operator's tune
 load::
 
     import threading
-    from iterserve.server.bench.load import BenchConfig, run_bench
-    from iterserve.server.bench.workload import WorkloadSpec, parse_length
+    from iterserve.bench.load import BenchConfig, run_bench
+    from iterserve.bench.workload import WorkloadSpec, parse_length
 
     config = BenchConfig(url="http://127.0.0.1:8000", rate=4.0, num_requests=None, duration_s=60,
                          workload=WorkloadSpec("random", output_len=parse_length("32")))
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
-from iterserve.server.bench.client import (
+from iterserve.bench.client import (
     BenchError,
     RequestRecord,
     Target,
@@ -40,9 +40,9 @@ from iterserve.server.bench.client import (
     run_clock,
     stream_request,
 )
-from iterserve.server.bench.metrics_scraper import MetricsScraper, knob_values, summarize_scrapes
-from iterserve.server.bench.result import BenchResult, RunResult
-from iterserve.server.bench.workload import RequestSpec, WorkloadSpec, generate_requests
+from iterserve.bench.metrics_scraper import MetricsScraper, knob_values, summarize_scrapes
+from iterserve.bench.result import BenchResult, RunResult
+from iterserve.bench.workload import RequestSpec, WorkloadSpec, generate_requests
 
 SWEEP_PARAMS = ("concurrency", "rate")
 FINISHED = "vllm:request_success_total"  # summed over finished_reason

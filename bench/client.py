@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from iterserve.server.bench.workload import RequestSpec
+from iterserve.bench.workload import RequestSpec
 
 ERROR_KINDS = ("http", "stream", "timeout", "connection", "protocol", "cancelled")
 

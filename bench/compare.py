@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from iterserve.server.bench.result import BenchResult
+from iterserve.bench.result import BenchResult
 
 if TYPE_CHECKING:  # rich is imported where the table is drawn
     from rich.console import JustifyMethod
