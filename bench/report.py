@@ -31,7 +31,7 @@ def e2e(r: RequestRecord) -> float | None:
 
 
 def itls(r: RequestRecord) -> list[float]:
-    return [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    return [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
 
 
 def tpot(r: RequestRecord) -> float | None:

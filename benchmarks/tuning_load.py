@@ -167,7 +167,7 @@ def window_figures(records: list[RequestRecord], duration_s: float, window_s: fl
         w = int(r.start // window_s)
         if 0 <= w < n:
             ttfts[w].append(r.first_token - r.start if r.first_token is not None and r.ok else math.inf)
-        for end, gap in zip(r.chunk_times[1:], itls(r)):
+        for end, gap in zip(r.chunk_times[1:], itls(r), strict=True):
             w = int(end // window_s)
             if 0 <= w < n:
                 gaps[w].append(gap)

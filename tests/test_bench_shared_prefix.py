@@ -41,7 +41,7 @@ def test_multi_turn_resends_the_history_and_starts_new_conversations():
     reqs = _requests(24, shape="multi-turn", prefix_len=50, num_prefixes=2, num_turns=3,
                      input_len=parse_length("10"), output_len=parse_length("5"))
     # conversations 0 and 1 interleaved for 3 turns, then 2 and 3
-    for first, second in zip(reqs, reqs[2:]):
+    for first, second in zip(reqs, reqs[2:], strict=False):
         if second.index % 6 >= 2:  # a later turn of the same conversation
             assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
             assert len(second.prompt_ids) == len(first.prompt_ids) + 5 + 10  # its answer, then a new question

@@ -75,7 +75,7 @@ def table_row(kubectl_output: str) -> dict[str, str]:
     names = header.split()
     starts = [header.index(" " + name) + 1 if i else 0 for i, name in enumerate(names)]
     ends = starts[1:] + [None]
-    return {name: row[start:end].strip() for name, start, end in zip(names, starts, ends)}
+    return {name: row[start:end].strip() for name, start, end in zip(names, starts, ends, strict=True)}
 
 
 def request_seconds(url: str) -> float:
