@@ -3,14 +3,18 @@ operator's `decide` and `decide_scale`), and an HPA-style controller on queue de
 a grid, side by side in one run.
 
     python benchmarks/autoscaling.py [--fleets 2,4,8,16,32] [--seeds 3] [--thresholds 0.5,1,2,4,8,16]
-                                     [--out benchmarks/results/autoscaling.json]   # about a minute here
+                                     [--routings round-robin,least-load]
+                                     [--out benchmarks/results/autoscaling.json]   # a few minutes here
 
-The fleet: pods of the latency model the tuning tests use (tests/tuning_latency_model.py: M/M/c-like
-queueing, a backlog above capacity, ITL growing with the batch and the chunk, 8% multiplicative noise),
-the load spread evenly over the ready pods, a new pod ready `--start-s` after it is asked for, a removed
-pod's queue going to the others (it drains: nothing is lost). Every tick (30 s, a 30 s window) the
-fleet's window is every pod's merged (p99s: the worst pod's; rates and queues: summed), which is what
-the operator reads from the pods' /metrics.
+The fleet (benchmarks/fleet_sim.py): pods of the latency model the tuning tests use
+(tests/tuning_latency_model.py: M/M/c-like queueing, a backlog above capacity, ITL growing with the batch
+and the chunk, 8% multiplicative noise) behind the routing each configuration has: `round-robin` (a plain
+Service: every ready pod the same share) or `least-load` (spec.router: a pod with a longer queue gets no
+new requests until it has drained to its peers' level); every controller is compared behind the same
+routing. A new pod is ready `--start-s` after it is asked for, a removed pod's queue goes to the others
+(it drains: nothing is lost). Every tick (30 s, a 30 s window) the fleet's window is every pod's merged as
+the operator merges the pods' /metrics: rates and queues summed, p99s the quantile of the summed
+histograms (`--fleet-p99 worst-pod`: the worst pod's p99, which grows with the fleet by noise alone).
 
 The load, per fleet size F: one pod carries at most `CAPACITY` requests/s within the SLO at its best
 knobs, so the peak needs F pods at any setting; a stepped Poisson-like rate of 0.25F, F, 0.5F, 0.25F
@@ -20,10 +24,10 @@ pods' worth (20, 40, 40, 30 ticks), starting from knobs far from tuned (max_num_
 - knobs + replicas: the tuner and the autoscaler, minReplicas 1, maxReplicas 2F, default windows;
 - HPA: desired = ceil(pods x mean waiting per pod / threshold) with the HPA's 10% tolerance, its default
   scale-up limit, and the shipped example's scale-down (300 s stabilization, one pod a minute), on the
-  tuner's knobs (the tuner in auto mode beside it, as a user of both would run them); best threshold: the cheapest that
-  reaches 99% of
-  windows within the SLO after convergence, else the one with the most windows within it.
-Reported per fleet size (medians over seeds): windows within the SLO (all; after convergence, leaving
+  tuner's knobs (the tuner in auto mode beside it, as a user of both would run them); best threshold:
+  the cheapest that reaches 99% of windows within the SLO after convergence, else the one with the most
+  windows within it.
+Reported per fleet size and routing (medians over seeds): windows within the SLO (all; after convergence, leaving
 out `SETTLE_TICKS` ticks after each step of the load) and replica-seconds.
 """
 
@@ -40,13 +44,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim  # noqa: E402
 from iterserve.operator.tuning.decide import TunerState, decide  # noqa: E402
 from iterserve.operator.tuning.knobs import Knobs  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.policy import TuningPolicy  # noqa: E402
 from iterserve.operator.tuning.reading import read  # noqa: E402
 from iterserve.operator.tuning.scale import Fleet, ScalePolicy, ScaleState, decide_scale  # noqa: E402
-from tests.tuning_latency_model import LatencyModel  # noqa: E402
 
 TICK_S = 30.0
 POLICY = TuningPolicy(ttft_p99_ms=1500, itl_p99_ms=40, max_num_seqs_bounds=(1, 64),
@@ -60,12 +64,6 @@ HPA_TOLERANCE, HPA_DOWN_WINDOW_S, HPA_DOWN_EVERY_S = 0.1, 300.0, 60.0
 
 
 @dataclass
-class Pod:
-    model: LatencyModel
-    ready_at: float
-
-
-@dataclass
 class Run:
     within: list[bool] = field(default_factory=list)
     settled: list[bool] = field(default_factory=list)  # the window is past the settling ticks
@@ -76,42 +74,6 @@ class Run:
         after = [w for w, s in zip(self.within, self.settled, strict=True) if s]
         return {"within_slo": sum(self.within) / len(self.within), "within_slo_settled": sum(after) / len(after),
                 "replica_s": self.replica_s, "peak_replicas": max(self.replicas)}
-
-
-class FleetSim:
-    """Pods of the latency model behind an even load balancer."""
-
-    def __init__(self, replicas: int, seed: int, start_s: float):
-        self.seed, self.start_s, self.made = seed, start_s, 0
-        self.pods = [self._pod(-1.0) for _ in range(replicas)]
-
-    def _pod(self, ready_at: float) -> Pod:
-        self.made += 1
-        return Pod(LatencyModel(seed=self.seed * 1000 + self.made), ready_at)
-
-    def resize(self, replicas: int, now: float) -> None:
-        while len(self.pods) < replicas:
-            self.pods.append(self._pod(now + self.start_s))
-        while len(self.pods) > replicas:  # the newest goes first (a ReplicaSet prefers unready, young pods)
-            gone = self.pods.pop()
-            ready = [p for p in self.pods if p.ready_at <= now] or self.pods
-            for p in ready:
-                p.model.backlog += gone.model.backlog / len(ready)
-
-    def window(self, knobs: Knobs, rate: float, start: float, end: float) -> Observation:
-        ready = [p for p in self.pods if p.ready_at <= start]
-        obs = [p.model.window(knobs, rate / len(ready), start, end) for p in ready]
-        return Observation(
-            start=start, end=end, num_pods=len(obs), num_samples=sum(o.num_samples for o in obs),
-            ttft_p99_s=max(o.ttft_p99_s for o in obs), itl_p99_s=max(o.itl_p99_s for o in obs),
-            request_rate=sum(o.request_rate for o in obs), prompt_token_rate=sum(o.prompt_token_rate for o in obs),
-            generation_token_rate=sum(o.generation_token_rate for o in obs), waiting=sum(o.waiting for o in obs),
-            running=sum(o.running for o in obs), queue_time_mean_s=max(o.queue_time_mean_s for o in obs),
-            kv_usage=max(o.kv_usage for o in obs), preemption_rate=sum(o.preemption_rate for o in obs),
-            error_rate=0.0)
-
-    def ready(self, now: float) -> int:
-        return sum(p.ready_at <= now for p in self.pods)
 
 
 def load(fleet: int) -> list[tuple[float, bool]]:
@@ -150,10 +112,11 @@ class Hpa:
         return current - 1
 
 
-def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float = 60.0) -> Run:
+def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float = 60.0,
+             routing: str = "round-robin", fleet_p99: str = "merged") -> Run:
     rates = load(fleet)
     first = max(1, math.ceil(rates[0][0] / (CAPACITY * 0.9)))
-    sim, run = FleetSim(first, seed, start_s), Run()
+    sim, run = FleetSim(first, seed, start_s, routing, fleet_p99), Run()
     tuner = TunerState(START)
     scaler = ScaleState()
     scale_policy = ScalePolicy(min_replicas=1, max_replicas=2 * fleet, settle_s=TICK_S,
@@ -195,39 +158,57 @@ def best_hpa(by_threshold: dict[float, dict]) -> tuple[float, dict]:
     return max(by_threshold.items(), key=lambda kv: kv[1]["within_slo_settled"])
 
 
+def compare(fleet: int, routing: str, seeds: range, thresholds: list[float], start_s: float,
+            fleet_p99: str = "merged") -> dict:
+    """One fleet size behind one routing: the three controllers, the HPA at each threshold."""
+    row: dict = {"fleet": fleet, "routing": routing}
+    for name in ("knobs", "replicas"):
+        row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99) for s in seeds])
+    row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99)
+                                           for s in seeds]) for th in thresholds}
+    th, best = best_hpa({float(k): v for k, v in row["hpa"].items()})
+    row["best_hpa_threshold"] = th
+    ours = row["replicas"]
+    row["replica_s_ratio_to_best_hpa"] = ours["replica_s"] / best["replica_s"]
+    row["pass"] = ours["within_slo_settled"] >= 0.99 and ours["replica_s"] <= best["replica_s"]
+    return row
+
+
+def print_row(row: dict) -> None:
+    th = row["best_hpa_threshold"]
+    best, hpa = row["hpa"][str(th)], f"HPA queue, best {th:g}"
+    for label, s in (("knobs only", row["knobs"]), ("knobs + replicas", row["replicas"]), (hpa, best)):
+        ratio = f"{s['replica_s'] / best['replica_s']:.2f}x" if label != hpa else ""
+        print(f"{row['fleet']:>5} | {row['routing']:<11} | {label:<22} | {s['within_slo']:>7.1%} | "
+              f"{s['within_slo_settled']:>7.1%} | {s['replica_s']:>9.0f} | {s['peak_replicas']:>4.0f} | {ratio}")
+    print(f"{'':>5} | {'':<11} | {'target':<22} | {'':>7} | {'>=99%':>7} | {'<= best':>9} | {'':>4} | "
+          f"{'PASS' if row['pass'] else 'MISS'}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fleets", default="2,4,8,16,32")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--thresholds", default="0.5,1,2,4,8,16")
+    ap.add_argument("--routings", default=",".join(ROUTINGS),
+                    help="round-robin (a plain Service), least-load (spec.router), or both")
+    ap.add_argument("--fleet-p99", choices=FLEET_P99S, default="merged",
+                    help="the fleet's p99: the pods' histograms summed (what the operator reads), or the worst pod's")
     ap.add_argument("--start-s", type=float, default=60.0, help="seconds a new pod takes to be ready")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     fleets = [int(x) for x in args.fleets.split(",")]
     thresholds = [float(x) for x in args.thresholds.split(",")]
-    seeds = range(args.seeds)
+    routings = args.routings.split(",")
+    if unknown := set(routings) - set(ROUTINGS):
+        ap.error(f"--routings: {', '.join(sorted(unknown))} is not one of {', '.join(ROUTINGS)}")
     results = []
-    print(f"{'fleet':>5} | {'controller':<22} | {'in SLO':>7} | {'settled':>7} | {'replica-s':>9} | "
-          f"{'peak':>4} | vs best HPA")
+    print(f"{'fleet':>5} | {'routing':<11} | {'controller':<22} | {'in SLO':>7} | {'settled':>7} | "
+          f"{'replica-s':>9} | {'peak':>4} | vs best HPA")
     for fleet in fleets:
-        row = {"fleet": fleet}
-        for name in ("knobs", "replicas"):
-            row[name] = median_summary([simulate(fleet, s, name, start_s=args.start_s) for s in seeds])
-        row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, args.start_s) for s in seeds])
-                      for th in thresholds}
-        th, best = best_hpa({float(k): v for k, v in row["hpa"].items()})
-        row["best_hpa_threshold"] = th
-        ours = row["replicas"]
-        row["replica_s_ratio_to_best_hpa"] = ours["replica_s"] / best["replica_s"]
-        row["pass"] = ours["within_slo_settled"] >= 0.99 and ours["replica_s"] <= best["replica_s"]
-        for label, s in (("knobs only", row["knobs"]), ("knobs + replicas", ours),
-                         (f"HPA queue, best {th:g}", best)):
-            ratio = f"{s['replica_s'] / best['replica_s']:.2f}x" if label != f"HPA queue, best {th:g}" else ""
-            print(f"{fleet:>5} | {label:<22} | {s['within_slo']:>7.1%} | {s['within_slo_settled']:>7.1%} | "
-                  f"{s['replica_s']:>9.0f} | {s['peak_replicas']:>4.0f} | {ratio}")
-        print(f"{'':>5} | {'target':<22} | {'':>7} | {'>=99%':>7} | {'<= best':>9} | {'':>4} | "
-              f"{'PASS' if row['pass'] else 'MISS'}")
-        results.append(row)
+        for routing in routings:
+            results.append(compare(fleet, routing, range(args.seeds), thresholds, args.start_s, args.fleet_p99))
+            print_row(results[-1])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},

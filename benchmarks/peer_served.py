@@ -93,13 +93,18 @@ class Server:
         raise RuntimeError(f"{self.name} not ready after {timeout} s; log:\n{_tail(self.log)}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_session(self.proc, signal.SIGINT, 30)
+
+
+def stop_session(proc: subprocess.Popen, sig: int, grace: float) -> None:
+    """Stop a process started with start_new_session and its children: `sig`, then SIGKILL after `grace` s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -10,7 +10,7 @@ import logging
 
 from iterserve.common import wire
 
-POLICY_CHOICES = ("least-load", "prefix-hash")  # router/policy.py's POLICIES, without importing it here
+POLICY_CHOICES = ("least-load", "prefix-hash", "round-robin")  # router/policy.py's POLICIES, without importing it here
 
 
 def _positive(kind):
@@ -26,7 +26,8 @@ def register(sub) -> None:
     p = sub.add_parser("router", help="route OpenAI API requests across a service's pods by load or prefix",
                        description="Proxy the OpenAI API to a set of iterserve (or vLLM) pods, choosing each "
                                    "request's pod by load (least-load) or by its prompt's prefix with bounded "
-                                   "load (prefix-hash, consistent hashing as KubeAI's CHWBL).")
+                                   "load (prefix-hash, consistent hashing as KubeAI's CHWBL); round-robin, "
+                                   "blind to load as a Kubernetes Service, is the baseline to compare them with.")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=wire.HTTP_PORT)
     where = p.add_mutually_exclusive_group(required=True)

@@ -1,4 +1,8 @@
-"""The router's two routing policies, pure: they read each pod's load and return a pod, nothing else.
+"""The router's routing policies, pure: they read each pod's load and return a pod, nothing else.
+
+`round-robin` is the baseline: what a Kubernetes Service gives (kube-proxy spreads connections without
+looking at any pod's load), kept so that a benchmark can compare the policies through the same router,
+whose own cost is then the same on every side.
 
 `least-load` ranks pods by the requests on them: the larger of the router's own in-flight count (exact
 and fresh, but blind to other routers' traffic) and the waiting + running requests of the pod's last
@@ -19,7 +23,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-POLICIES = ("least-load", "prefix-hash")
+POLICIES = ("least-load", "prefix-hash", "round-robin")
 
 
 @dataclass
@@ -52,6 +56,21 @@ class LeastLoad:
         best = min(range(n), key=lambda i: (max(pods[i].in_flight, pods[i].waiting + pods[i].running),
                                             pods[i].kv_usage, (i - self._turn) % n))
         return Decision(pods[best].name)
+
+
+class RoundRobin:
+    """Each pod in turn, blind to load: the baseline the other policies are measured against."""
+
+    def __init__(self) -> None:
+        self._turn = -1
+
+    def pick(self, pods: Sequence[PodLoad], key: str | None = None) -> Decision:
+        if not pods:
+            raise LookupError("no pod to route to")
+        self._turn += 1
+        # by name, not by position: the healthy list's order is the discovery's, which may change
+        ordered = sorted(p.name for p in pods)
+        return Decision(ordered[self._turn % len(ordered)])
 
 
 def _hash64(text: str) -> int:
@@ -126,4 +145,6 @@ def make_policy(name: str, load_factor: float = 1.25):
         return LeastLoad()
     if name == "prefix-hash":
         return PrefixHash(load_factor)
+    if name == "round-robin":
+        return RoundRobin()
     raise ValueError(f"unknown routing policy {name!r} (choose from {', '.join(POLICIES)})")

@@ -134,7 +134,8 @@ class Router:
 
     async def _route(self, request, headers, body, key, arrived) -> web.StreamResponse:
         tried: set[str] = set()
-        policy = self.policy if key is not None else self.any_pod
+        # prefix-hash without a key (nothing to hash) takes the least loaded pod; the others pick as always
+        policy = self.any_pod if self.keyed and key is None else self.policy
         while True:
             candidates = [p.load for p in self.pods.healthy(exclude=tried)]
             if not candidates or len(tried) > self.max_retries:

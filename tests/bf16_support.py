@@ -20,3 +20,11 @@ def assert_rounded_once_to_bf16(out: torch.Tensor, reference: torch.Tensor, atol
     if out.numel():
         same = (out == reference.to(torch.bfloat16)) | (out.isnan() & reference.isnan())
         assert same.double().mean().item() >= 0.99, f"{(~same).sum().item()} of {out.numel()} differ"
+
+
+def assert_as_close_as_torch(out: torch.Tensor, expected: torch.Tensor, torch_out: torch.Tensor) -> None:
+    """bf16 `out` is no further from `expected` than torch's bf16 attention (`torch_out`), on average and at
+    worst: the bar where a kernel multiplies p.V with p rounded to bf16, as torch's bf16 SDPA does."""
+    err, torch_err = (out.double() - expected).abs(), (torch_out - expected).abs()
+    assert err.mean() <= 1.1 * torch_err.mean(), (err.mean().item(), torch_err.mean().item())
+    assert err.max() <= 1.5 * torch_err.max(), (err.max().item(), torch_err.max().item())

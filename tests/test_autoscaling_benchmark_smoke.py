@@ -1,12 +1,15 @@
 """benchmarks/autoscaling.py: its HPA model behaves as the HPA it stands for, and the whole comparison runs
-and writes its JSON (one small fleet, one seed: the figures are checked only for their shape and for what
-holds in any run: knobs alone cannot carry a peak sized for several pods)."""
+and writes its JSON, behind both routings (one small fleet, one seed: the figures are checked only for
+their shape and for what holds in any run: knobs alone cannot carry a peak sized for several pods)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.autoscaling import Hpa, main
+from benchmarks.fleet_sim import ROUTINGS
 from iterserve.operator.tuning.observation import Observation
 
 
@@ -29,8 +32,13 @@ def test_hpa_model_tolerance_step_limit_and_slow_scale_down():
 def test_the_comparison_runs_and_writes_its_json(tmp_path, capsys):
     out = tmp_path / "autoscaling.json"
     assert main(["--fleets", "4", "--seeds", "1", "--thresholds", "1,4", "--out", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["results"]
-    assert set(row["hpa"]) == {"1.0", "4.0"} and row["best_hpa_threshold"] in (1.0, 4.0)
-    assert row["knobs"]["peak_replicas"] == 1 and row["knobs"]["within_slo_settled"] < 0.5
-    assert row["replicas"]["peak_replicas"] > 1
+    rows = json.loads(out.read_text())["results"]
+    assert [row["routing"] for row in rows] == list(ROUTINGS)  # both routings unless told otherwise
+    for row in rows:
+        assert set(row["hpa"]) == {"1.0", "4.0"} and row["best_hpa_threshold"] in (1.0, 4.0)
+        assert row["knobs"]["peak_replicas"] == 1 and row["knobs"]["within_slo_settled"] < 0.5
+        assert row["replicas"]["peak_replicas"] > 1
     assert "knobs + replicas" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--routings", "random"])
+

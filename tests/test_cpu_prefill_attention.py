@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from iterserve.kernels import cpu_paged_attention
 from iterserve.kernels.attention_metadata import AttentionMetadata, MultiQuery, PrefillBatch, SingleQueryGroup
 from iterserve.kernels.paged_attention_torch import paged_attention
-from tests.bf16_support import assert_rounded_once_to_bf16
+from tests.bf16_support import assert_as_close_as_torch, assert_rounded_once_to_bf16
 from tests.paged_cache_support import shuffled_paged_cache
 
 # (query tokens, context tokens): a fresh prefill, chunks after earlier context, the query tile's edges
@@ -82,13 +82,6 @@ def _torch_bf16_sdpa(q, k_cache, v_cache, batch, block_size, scale):
                                            enable_gqa=True)
         out[s : s + n] = o[0].transpose(0, 1).double()
     return out
-
-
-def assert_as_close_as_torch(out, expected, torch_out):
-    """bf16 `out` is no further from `expected` than torch's bf16 attention, on average and at worst."""
-    err, torch_err = (out.double() - expected).abs(), (torch_out - expected).abs()
-    assert err.mean() <= 1.1 * torch_err.mean(), (err.mean().item(), torch_err.mean().item())
-    assert err.max() <= 1.5 * torch_err.max(), (err.max().item(), torch_err.max().item())
 
 
 def _run(q, k_cache, v_cache, batch, block_size, scale):

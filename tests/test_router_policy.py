@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.router.policy import HashRing, LeastLoad, PodLoad, PrefixHash, make_policy
+from iterserve.router.policy import HashRing, LeastLoad, PodLoad, PrefixHash, RoundRobin, make_policy
 from iterserve.router.prefix_key import prompt_text, routing_key
 
 PODS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
@@ -31,6 +31,19 @@ def loads(**in_flight) -> list[PodLoad]:
 ])
 def test_least_load_picks_the_least_queued(pods, expected):
     assert LeastLoad().pick(pods).pod == expected
+
+
+def test_round_robin_is_blind_to_load_and_cycles_by_name():
+    policy = RoundRobin()
+    skewed = loads(p1=50, p2=0, p3=7)  # load does not matter: what a Kubernetes Service does
+    assert [policy.pick(skewed).pod for _ in range(8)] == PODS * 2
+    # the order is the names', not the list's: a reordered healthy list keeps the rotation
+    assert policy.pick(list(reversed(skewed))).pod == PODS[0]
+    # a pod gone from the healthy list is skipped, the others keep alternating
+    assert [policy.pick(skewed[:2]).pod for _ in range(4)] == [PODS[1], PODS[0], PODS[1], PODS[0]]
+    assert isinstance(make_policy("round-robin"), RoundRobin)
+    with pytest.raises(LookupError):
+        policy.pick([])
 
 
 def test_least_load_takes_turns_among_equal_pods():

@@ -1,7 +1,8 @@
 """Tool calling through the server and the official `openai` client, on a tiny random model served with
 Qwen2.5's tools-aware template: forced calls (`required`, named) validate against the tools' schemas (the
 random model could not write them without the grammar), `auto` leaves text alone, a tool round trip is
-rendered through the template, streamed calls reassemble to the non-streamed ones, bad input is a 400."""
+rendered through the template, streamed calls reassemble to the non-streamed ones (an `auto` call in
+pieces as it is written), bad input is a 400."""
 
 from __future__ import annotations
 
@@ -31,15 +32,19 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
+def tools_model(tiny_dir, tmp_path_factory) -> str:
     model = Path(with_special_eos(tiny_dir, tmp_path_factory.mktemp("tiny-tools")))
     config = {"chat_template": (TEMPLATES / "qwen2_5.jinja").read_text(), "eos_token": "<|im_end|>"}
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     # the template's tool prompt is ~1000 tokens of this byte-level vocabulary: room for it (random weights)
     model_config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**model_config, "max_position_embeddings": 2048}))
-    with InProcessServer(str(model), model_name=MODEL) as srv:
+    return str(model)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    with InProcessServer(tools_model(tiny_dir, tmp_path_factory), model_name=MODEL) as srv:
         yield srv
 
 
@@ -132,6 +137,44 @@ def test_streamed_calls_reassemble_to_the_same_call(client, tool_choice):
                     calls[part.index][1] += part.function.arguments
                     pieces += 1
     assert finish == "tool_calls" and pieces > 1  # the arguments came in pieces, as they were written
+    assert [tuple(calls[i]) for i in sorted(calls)] == whole
+
+
+# `auto` leaves the output to the model, and a random model writes no call of its own: a `response_format`
+# schema makes it write Llama 3's bare-JSON call (served with `--tool-call-parser llama3_json`), which
+# `auto` reads like any model's call. The grammar fixes the shape; the model still picks every token.
+LLAMA_CALL = {"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER},
+              "required": ["name", "parameters"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llama_client(tiny_dir, tmp_path_factory):
+    with InProcessServer(tools_model(tiny_dir, tmp_path_factory), model_name=MODEL,
+                         tool_call_parser="llama3_json") as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_auto_calls_stream_as_they_are_written(llama_client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=300, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": LLAMA_CALL}})
+    whole = check_calls(llama_client.chat.completions.create(**kwargs).choices[0], {"get_weather"})
+    chunks = list(llama_client.chat.completions.create(**kwargs, stream=True))
+    calls: dict[int, list] = {}
+    with_calls = []
+    for n, chunk in enumerate(chunks):
+        for c in chunk.choices:
+            assert not c.delta.content
+            for part in c.delta.tool_calls or ():
+                with_calls.append(n)
+                if part.index not in calls:
+                    assert part.id and part.type == "function" and part.function.name == "get_weather"
+                    calls[part.index] = [part.function.name, part.function.arguments or ""]
+                else:
+                    assert part.id is None and part.function.name is None
+                    calls[part.index][1] += part.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the head came long before the end, and the arguments in many pieces, as they were written
+    assert with_calls[0] < len(chunks) - 2 and len(with_calls) > 3
     assert [tuple(calls[i]) for i in sorted(calls)] == whole
 
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from iterserve.server.api.tool_calls import ToolPlan
 from iterserve.server.api.tool_parsers import detect_parser, get_parser
-from iterserve.server.api.tool_stream import ToolCallStream, message
+from iterserve.server.api.tool_stream import message
+from tests.test_tool_stream_auto import reassemble, streamed
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 
@@ -126,22 +127,10 @@ CASES = [
 def test_streamed_deltas_join_to_the_whole_message(case, cuts):
     plan, text = case
     whole, finish = message(plan, text, "stop")
-    stream, deltas, at = ToolCallStream(plan), [], 0
-    for cut in sorted(set(c for c in cuts if c < len(text))) + [len(text)]:
-        deltas += stream.feed(text[at:cut])
-        at = cut
-    deltas += stream.finish()
-    content = "".join(d.get("content", "") for d in deltas)
-    calls: dict[int, dict] = {}
-    for d in deltas:
-        for part in d.get("tool_calls", ()):
-            if part["index"] not in calls:  # the first delta of a call names it, with its id and type
-                assert part["id"] and part["type"] == "function" and part["function"]["arguments"] == ""
-                calls[part["index"]] = {"name": part["function"]["name"], "arguments": ""}
-            else:
-                assert "name" not in part["function"]
-            calls[part["index"]]["arguments"] += part["function"]["arguments"]
-    assert [calls[i] for i in sorted(calls)] == [c["function"] for c in whole.get("tool_calls", [])]
+    bounds = [0] + sorted(set(c for c in cuts if c < len(text))) + [len(text)]
+    deltas, stream = streamed(plan, [text[a:b] for a, b in zip(bounds, bounds[1:])])
+    content, calls = reassemble(deltas)
+    assert calls == [c["function"] for c in whole.get("tool_calls", [])]
     assert (content if content.strip() or not calls else None) == whole["content"]
     assert stream.finish_reason("stop") == finish
 

@@ -89,6 +89,15 @@ ROWS = [
      ScaleState(), fleet(OVER, verdict=BREACHED, action=RAISE_SEQS), POLICY, (STAY, 2, "Steady", "still correcting")),
     ("observe mode: the knobs never move, a confirmed breach scales",
      ScaleState(), fleet(OVER, verdict=BREACHED, knobs_fixed=True), POLICY, (SCALE_OUT, 3, "ScaledOut", "observe")),
+    ("breach at the bounds, but the queue falls fast enough to be gone before new pods could be ready: stay",
+     ScaleState(start_s=60, last_queue=(NOW - 30, 100.0)), fleet(window(ttft=1500, waiting=20.0), verdict=BOUNDS),
+     POLICY, (STAY, 2, "Steady", "gone in 8 s, before pods asked for now would be ready (the last took 60 s)")),
+    ("breach at the bounds, the queue falling too slowly to be gone before new pods are ready: out",
+     ScaleState(start_s=60, last_queue=(NOW - 30, 100.0)), fleet(window(ttft=1500, waiting=95.0), verdict=BOUNDS),
+     POLICY, (SCALE_OUT, 4, "ScaledOut", "BoundsReached")),
+    ("breach at the bounds, the queue falling, but no pod start measured yet: out",
+     ScaleState(last_queue=(NOW - 30, 100.0)), fleet(window(ttft=1500, waiting=20.0), verdict=BOUNDS),
+     POLICY, (SCALE_OUT, 4, "ScaledOut", "BoundsReached")),
     ("severe breach: at most double", ScaleState(), fleet(window(ttft=9000, pods=2), verdict=BOUNDS), POLICY,
      (SCALE_OUT, 4, "ScaledOut", "BoundsReached")),
     ("scale-up window not over yet", ScaleState(pressure_since=NOW - 20), fleet(OVER, verdict=BOUNDS),
@@ -159,6 +168,7 @@ def test_a_scale_out_learns_capacity_and_a_met_window_at_a_higher_rate_raises_it
     up = fleet(window(ttft=500, rate=12.0, pods=3), replicas=3)
     settling = decide_scale(d.state, up, POLICY, NOW + 100)  # the new pod is up: a window from now on
     assert settling.state.whole_since == NOW + 100 and settling.state.capacity == 3.0
+    assert settling.state.start_s == 100  # how long its pods took: what a draining backlog is weighed against
     assert decide_scale(settling.state, up, POLICY, NOW + 200).state.capacity == 4.0
 
 
@@ -176,13 +186,15 @@ def test_headroom_and_pressure_are_timed_from_their_first_window():
        waiting=st.floats(0, 200), running=st.floats(0, 64), samples=st.integers(0, 200),
        verdict=st.sampled_from([MET, BOUNDS, NO_BETTER, BREACHED, NOT_OBSERVED]),
        action=st.sampled_from([HOLD, ROLLBACK, RAISE_SEQS]), since=st.floats(0, 2000),
-       capacity=st.none() | st.floats(0.1, 50), lo=st.integers(1, 8), span=st.integers(0, 24))
+       capacity=st.none() | st.floats(0.1, 50), lo=st.integers(1, 8), span=st.integers(0, 24),
+       start_s=st.none() | st.floats(0, 600), queued_before=st.floats(0, 400))
 def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_by_one(replicas, ready, ttft, rate, waiting, running,
                                                                       samples, verdict, action, since, capacity, lo,
-                                                                      span):
+                                                                      span, start_s, queued_before):
     policy = dataclasses.replace(POLICY, min_replicas=lo, max_replicas=lo + span)
     state = ScaleState(last_scale_time=NOW - since, last_direction=SCALE_OUT, capacity=capacity,
-                       headroom_since=NOW - since, pressure_since=NOW - since)
+                       headroom_since=NOW - since, pressure_since=NOW - since, start_s=start_s,
+                       last_queue=(NOW - 30, queued_before))
     obs = window(ttft=ttft, n=samples, waiting=waiting, running=running, rate=rate, pods=max(1, min(ready, replicas)))
     d = decide_scale(state, fleet(obs, replicas=replicas, ready=ready, verdict=verdict, action=action), policy, NOW)
     assert policy.min_replicas <= d.replicas <= policy.max_replicas

@@ -215,6 +215,85 @@ inline void apply_rows(float* acc, const T* v, int64_t n, int64_t stride, const 
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Whether block_apply runs on bf16 dot products (apply_rows_pairs): a bf16 cache, head_dim 32, 64 or 128,
+// and a block of at most kMaxPairBlock tokens (the kernel checks the block size at run time).
+constexpr int64_t kMaxPairBlock = 64;
+template <typename T, int64_t kD>
+constexpr bool kPairApply = std::is_same_v<T, iterserve::bf16> && kD > 0 && kD % 32 == 0 && kD <= 128;
+
+// apply_rows for a bf16 cache on AVX512-BF16's dot products. Two tokens' V rows are interleaved into bf16
+// pairs (vpunpcklwd / vpunpckhwd) and multiplied with each query row's two probabilities, rounded to bf16
+// as the prefill kernel and torch's bf16 SDPA round p: per 32 elements of two tokens, two unpacks shared
+// by the group and two vdpbf16ps a query row, where apply_rows widens four half-rows and runs four FMAs.
+// The unpacks work within 128-bit lanes, so the accumulators come out in lane order: acc holds each
+// 32-element chunk as [the unpacklo lanes, the unpackhi lanes] while the kernel runs (the softmax's
+// rescales are elementwise and do not mind), and unpermute_pairs puts it back in order at the end.
+template <int64_t kD, int64_t RR>
+inline void apply_rows_pairs(float* acc, const iterserve::bf16* v, int64_t n, int64_t stride, const float* scores,
+                             int64_t bs) {
+  constexpr int64_t C = kD / 32;
+  // p in bf16 pairs: pp[j][i] = (bf16(p_2i), bf16(p_2i+1)), zero past the block's n tokens
+  alignas(64) uint32_t pp[RR][kMaxPairBlock / 2];
+  for (int64_t j = 0; j < RR; ++j) {
+    for (int64_t t = 0; t < n; t += 32) {
+      const auto mask = [&](int64_t from) {
+        const int64_t k = std::clamp<int64_t>(n - from, 0, 16);
+        return static_cast<__mmask16>(k == 16 ? 0xFFFFu : (1u << k) - 1);
+      };
+      const __m512 a = _mm512_maskz_loadu_ps(mask(t), scores + j * bs + t);
+      const __m512 b = _mm512_maskz_loadu_ps(mask(t + 16), scores + j * bs + t + 16);
+      _mm512_storeu_si512(&pp[j][t / 2], (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+  __m512 lo[RR][C], hi[RR][C];
+  for (int64_t j = 0; j < RR; ++j)
+    for (int64_t c = 0; c < C; ++c) {
+      lo[j][c] = _mm512_loadu_ps(acc + j * kD + 32 * c);
+      hi[j][c] = _mm512_loadu_ps(acc + j * kD + 32 * c + 16);
+    }
+  for (int64_t t = 0; t < n; t += 2) {
+    __m512bh vlo[C], vhi[C];
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512i v0 = _mm512_loadu_si512(v + t * stride + 32 * c);
+      // an odd block's last token pairs with zeros: the row past it is not the block's
+      const __m512i v1 = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * stride + 32 * c) : _mm512_setzero_si512();
+      vlo[c] = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+      vhi[c] = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+    }
+    for (int64_t j = 0; j < RR; ++j) {
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[j][t / 2]));
+      for (int64_t c = 0; c < C; ++c) {
+        lo[j][c] = _mm512_dpbf16_ps(lo[j][c], pj, vlo[c]);
+        hi[j][c] = _mm512_dpbf16_ps(hi[j][c], pj, vhi[c]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < RR; ++j)
+    for (int64_t c = 0; c < C; ++c) {
+      _mm512_storeu_ps(acc + j * kD + 32 * c, lo[j][c]);
+      _mm512_storeu_ps(acc + j * kD + 32 * c + 16, hi[j][c]);
+    }
+}
+
+// One accumulator row from apply_rows_pairs' lane order back to element order. In a chunk, unpacklo's
+// fp32 lane i holds element 8 * (i / 4) + i % 4 and unpackhi's lane i element 8 * (i / 4) + 4 + i % 4.
+template <int64_t kD>
+inline void unpermute_pairs(float* acc) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c = 0; c < kD / 32; ++c) {
+    const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
+    _mm512_storeu_ps(acc + 32 * c, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(acc + 32 * c + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+#else
+template <typename T, int64_t kD>
+constexpr bool kPairApply = false;
+constexpr int64_t kMaxPairBlock = 0;
+#endif
+
 template <int64_t kD, typename T>
 inline void block_scores(const float* q, int64_t G, const T* k, int64_t n, int64_t stride, int64_t D,
                          float* scores, int64_t bs) {
@@ -237,6 +316,17 @@ template <int64_t kD, typename T>
 inline void block_apply(float* acc, int64_t G, const T* v, int64_t n, int64_t stride, int64_t D,
                         const float* scores, int64_t bs) {
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  if constexpr (kPairApply<T, kD>) {
+    if (bs <= kMaxPairBlock) {  // acc in apply_rows_pairs' lane order: the kernel unpermutes it at the end
+      constexpr int64_t kRows = kD <= 64 ? 4 : 2;  // at most 16 accumulators
+      for_row_chunks<kRows>(G, [&](int64_t r, auto rows) {
+        apply_rows_pairs<kD, decltype(rows)::value>(acc + r * kD, v, n, stride, scores + r * bs, bs);
+      });
+      return;
+    }
+  }
+#endif
   if constexpr (kD > 0 && kD % 16 == 0 && kD <= 128) {
     constexpr int64_t kRows = kD <= 64 ? 4 : 2;  // at most 16 accumulators
     for_row_chunks<kRows>(G, [&](int64_t r, auto rows) {

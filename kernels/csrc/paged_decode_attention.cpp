@@ -113,6 +113,13 @@ void attend_d(const T* q, const T* k_cache, const T* v_cache, const int64_t* tab
       block_apply<kD>(&w.acc[h * G * D], G, v_cache + base + h * D, n, slot_stride, D, &w.scores[h * G * bs], bs);
     }
   }
+#if defined(__AVX512BF16__)
+  if constexpr (kPairApply<T, kD>) {
+    if (bs <= kMaxPairBlock) {  // block_apply ran apply_rows_pairs, which keeps acc in its lane order
+      for (int64_t r = 0; r < rows; ++r) unpermute_pairs<kD>(&w.acc[r * D]);
+    }
+  }
+#endif
   for (int64_t r = 0; r < rows; ++r) scale_into(out + r * D, 1.f / w.sum[r], &w.acc[r * D], D);
 }
 

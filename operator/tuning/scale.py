@@ -78,6 +78,8 @@ class ScaleState:
     capacity_knobs: object = None  # the knobs it was learned under
     goal: int | None = None  # what the last scale-out's evidence asked for, beyond its step limit
     proven: float | None = None  # the highest requests/s per pod seen in a window that met the SLO
+    start_s: float | None = None  # how long the last scale-out's pods took to be ready (measured)
+    last_queue: tuple[float, float] | None = None  # the previous (time, requests waiting), settling or not
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,17 @@ class Tick:
         return growth if growth >= p.queue_growth * rate else None
 
     @cached_property
+    def drain(self) -> tuple[float, float] | None:
+        """(requests/s, seconds left) at which the fleet's queue has fallen since the previous reading and
+        would be empty, when it has fallen; else None. Judged on the previous reading whatever the fleet
+        was then: a falling queue is a fact, where growth (`growth`) needs readings of this fleet."""
+        before, obs = self.state.last_queue, self.fleet.obs
+        if before is None or obs is None or obs.queued >= before[1] or self.now <= before[0]:
+            return None
+        rate = (before[1] - obs.queued) / (self.now - before[0])
+        return rate, obs.queued / rate
+
+    @cached_property
     def exhausted(self) -> bool:
         """The SLO is breached and the knobs have nothing better to give."""
         f, r = self.fleet, self.fleet.reading
@@ -162,9 +175,11 @@ class Tick:
         st, f, now = self.state, self.fleet, self.now
         st = dataclasses.replace(st, queue=self.queue)
         if st.starting and f.ready >= f.replicas:
-            st = dataclasses.replace(st, starting=False, whole_since=now)
+            took = now - st.last_scale_time if st.last_scale_time is not None else None
+            st = dataclasses.replace(st, starting=False, whole_since=now, start_s=took)
         if f.obs is None:
             return st
+        st = dataclasses.replace(st, last_queue=(now, f.obs.queued))
         pressure = self.exhausted or self.growth is not None
         capacity = st.capacity
         if capacity is not None and st.capacity_knobs != f.knobs:
@@ -266,7 +281,24 @@ def settling(t: Tick) -> ScaleDecision | None:
         return None
     left = t.policy.settle_s - (t.now - since)
     return t.stay(f"the window still holds the fleet before the last change ({left:.0f} s left)",
-                  state=dataclasses.replace(st, starting=t.s.starting, whole_since=t.s.whole_since))
+                  state=dataclasses.replace(st, starting=t.s.starting, whole_since=t.s.whole_since,
+                                            start_s=t.s.start_s, last_queue=t.s.last_queue))
+
+
+def backlog_draining(t: Tick) -> ScaleDecision | None:
+    """The SLO is breached at the end of the knobs, but the fleet's queue is falling fast enough to be gone
+    before pods asked for now could be ready (as long as the last scale-out's pods took): the breach is the
+    tail of a backlog the pods are already serving, which stays on the pods that hold it, and pods that come
+    up after it has drained only cost (and the per-pod rate of a fleet that is not saturated would be
+    learned as its capacity). A growing queue is not draining; without a measured start time this does
+    not apply."""
+    s = t.s
+    if (s.pressure_since is None or t.growth is not None or not t.exhausted or s.start_s is None
+            or t.drain is None or t.drain[1] >= s.start_s):
+        return None
+    rate, left = t.drain
+    return t.stay(f"SLO breached, but the waiting queue falls {rate:.1f} requests/s and is gone in {left:.0f} s, "
+                  f"before pods asked for now would be ready (the last took {s.start_s:.0f} s)")
 
 
 def scale_out(t: Tick) -> ScaleDecision | None:
@@ -344,8 +376,8 @@ def hold(t: Tick) -> ScaleDecision:
 
 
 SCALE_RULES: tuple[ScaleRule, ...] = (
-    refuse_on_conflict, clamp_into_range, nothing_read, toward_goal, pods_starting, settling, scale_out, scale_in,
-    hold,
+    refuse_on_conflict, clamp_into_range, nothing_read, toward_goal, pods_starting, settling, backlog_draining,
+    scale_out, scale_in, hold,
 )
 
 

@@ -67,7 +67,8 @@ def detect_parser(chat_template: str | None) -> Parser | None:
     return None
 
 
-def _call(obj, args_keys: tuple[str, ...]) -> ParsedCall | None:
+def call_of(obj, args_keys: tuple[str, ...]) -> ParsedCall | None:
+    """A decoded call object -> the call (its arguments as JSON text), or None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     for key in args_keys:
@@ -96,7 +97,7 @@ def parse_hermes(text: str) -> list[ParsedCall] | None:
     bodies = _HERMES_CALL.findall(text)
     if _HERMES_CALL.sub("", text).strip():
         return None  # text between or after the calls: not a clean call sequence
-    return _all_or_none([_call(_loads(b), ("arguments", "parameters")) for b in bodies])
+    return _all_or_none([call_of(_loads(b), ("arguments", "parameters")) for b in bodies])
 
 
 def parse_llama3_json(text: str) -> list[ParsedCall] | None:
@@ -107,7 +108,7 @@ def parse_llama3_json(text: str) -> list[ParsedCall] | None:
             obj, end = _DECODER.raw_decode(text, at)
         except (ValueError, RecursionError):
             return None
-        calls.append(_call(obj, ("parameters", "arguments")))
+        calls.append(call_of(obj, ("parameters", "arguments")))
         at = end
         while at < len(text) and text[at] in " \t\r\n;":  # Llama 3.2 separates parallel calls with "; "
             at += 1
@@ -120,13 +121,13 @@ def parse_mistral(text: str) -> list[ParsedCall] | None:
         calls = _loads(text)
         if not isinstance(calls, list):
             return None
-        return _all_or_none([_call(c, ("arguments", "parameters")) for c in calls])
+        return _all_or_none([call_of(c, ("arguments", "parameters")) for c in calls])
     calls = []  # newer tokenizers: name[ARGS]{...} per call, each after its own [TOOL_CALLS]
     for part in text.split(TOOL_CALLS_TAG):
         name, sep, args = part.strip().partition("[ARGS]")
         if not sep:
             return None
-        calls.append(_call({"name": name.strip(), "arguments": _loads(args)}, ("arguments",)))
+        calls.append(call_of({"name": name.strip(), "arguments": _loads(args)}, ("arguments",)))
     return _all_or_none(calls)
 
 

@@ -9,17 +9,16 @@ streamed calls reassemble to exactly the non-streamed ones.
     named      every piece of text is a piece of the call's arguments (the grammar writes only them)
     required   the grammar writes compact `[{"name":"f","parameters":{...}},...]`: the name is sent once
                its string is complete, then the parameters' text as it comes, scanned for its end
-    auto       text is sent as content until a start marker of the family's format (`tool_parsers`)
-               appears; text that may be the start of a marker is held back. From the marker on, the
-               text is held and parsed when the choice ends: calls if it parses, else it is sent as text.
+    auto       content, and calls in the family's format read as they are written (`tool_auto`): a
+               call's head once its name is complete, then its arguments as they come
 """
 
 from __future__ import annotations
 
 import re
 
+from iterserve.server.api.tool_auto import AutoCalls
 from iterserve.server.api.tool_calls import ToolPlan, call_id
-from iterserve.server.api.tool_parsers import Parser
 
 # the head of one forced call: the grammar's property order and compact separators make it literal
 _FORCED_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]+)","parameters":')
@@ -30,8 +29,9 @@ class ToolCallStream:
         self.plan = plan
         self.text = ""
         self.num_calls = 0
-        self._at = 0  # text[:_at] is sent (auto) or scanned (required)
-        self._calls_from: int | None = None  # auto: where the calls begin in text
+        self._at = 0  # required: text[:_at] is scanned
+        # auto: plan_tools plans auto only for a family whose parser it knows
+        self._auto = AutoCalls(plan.parser, plan.parallel) if plan.mode == "auto" and plan.parser else None
         self._depth, self._in_string, self._escaped, self._in_args = 0, False, False, False
 
     def feed(self, text: str) -> list[dict]:
@@ -40,19 +40,11 @@ class ToolCallStream:
             return self._named(text)
         if self.plan.mode == "required":
             return self._required()
-        return self._auto(final=False)
+        return self._auto_deltas(text, final=False)
 
     def finish(self) -> list[dict]:
         """The deltas the end of the choice releases (auto: the held text, as calls or as content)."""
-        if self.plan.mode != "auto":
-            return []
-        return self._auto(final=True)
-
-    @property
-    def _parser(self) -> Parser:
-        """auto mode's parser: plan_tools plans auto only for a family whose parser it knows."""
-        assert self.plan.parser is not None
-        return self.plan.parser
+        return self._auto_deltas("", final=True) if self._auto is not None else []
 
     def finish_reason(self, reason: str | None) -> str | None:
         # OpenAI: "tool_calls" when the model stopped after calling; a call cut by max_tokens stays "length"
@@ -115,47 +107,17 @@ class ToolCallStream:
                 return True
         return False
 
-    def _auto(self, final: bool) -> list[dict]:
-        parser = self._parser
-        if self._calls_from is None:
-            self._find_calls(final)
-        if self._calls_from is None:  # all text: send what cannot be the start of a marker
-            end = len(self.text) if final else len(self.text) - self._held_back()
-            piece, self._at = self.text[self._at:end], max(self._at, end)
-            return [{"content": piece}] if piece else []
-        deltas: list[dict] = []
-        if self._at < self._calls_from:
-            deltas.append({"content": self.text[self._at:self._calls_from]})
-            self._at = self._calls_from
-        if not final:
-            return deltas
-        calls = parser.parse(self.text[self._calls_from:])
-        if calls is None:  # a marker, then no well-formed call: the model's text, as text
-            return deltas + [{"content": self.text[self._at:]}]
-        for call in calls if self.plan.parallel else calls[:1]:
-            deltas += [self._header(call.name), self._arguments(call.arguments)]
+    def _auto_deltas(self, text: str, final: bool) -> list[dict]:
+        assert self._auto is not None
+        deltas = []
+        for kind, value in self._auto.feed(text, final):
+            if kind == "content":
+                deltas.append({"content": value})
+            elif kind == "call":
+                deltas.append(self._header(value))
+            else:
+                deltas.append(self._arguments(value))
         return deltas
-
-    def _find_calls(self, final: bool) -> None:
-        parser = self._parser
-        if parser.opens and not self.text[:self._at].strip():
-            stripped = self.text.lstrip()
-            if stripped.startswith(parser.opens):
-                self._calls_from = len(self.text) - len(stripped)
-                return
-        found = [i for i in (self.text.find(m, max(0, self._at - len(m))) for m in parser.markers) if i >= 0]
-        if found:
-            self._calls_from = min(found)
-
-    def _held_back(self) -> int:
-        """How much of the text's end could still become a start marker (or opening JSON)."""
-        parser = self._parser
-        if parser.opens and not self.text.strip():
-            return len(self.text) - self._at  # only whitespace so far: a call may still open
-        for n in range(min(len(self.text), max(len(m) for m in parser.markers)), 0, -1):
-            if any(m.startswith(self.text[-n:]) for m in parser.markers):
-                return n
-        return 0
 
 
 def message(plan: ToolPlan, text: str, reason: str | None) -> tuple[dict, str | None]:

@@ -1,0 +1,127 @@
+"""The fleet of benchmarks/autoscaling.py: pods of the tuning tests' latency model behind the routing the
+product has, a new pod ready a fixed time after it is asked for, a removed pod's queue going to the others.
+
+Two routings, one per way a service is reached:
+- `round-robin`: a plain Kubernetes Service (kube-proxy picks a ready endpoint per connection, blind to
+  load): every ready pod gets the same share of the arrivals, so a backlog a pod took before its peers
+  were ready stays on it and drains only at what its capacity has left over its share.
+- `least-load`: `spec.router` with its default policy (router/policy.py's `LeastLoad`: the pod with the
+  fewest waiting + running requests). As a fluid: a pod whose queue is longer than its peers' gets no new
+  arrivals until it has drained to their level, then an even share; when the whole fleet is over
+  capacity, arrivals keep the queues level (water-filling).
+
+The fleet's p99s are what the operator computes (operator/tuning/observe.py): the quantile of the pods'
+histograms summed, not the worst pod's p99 (`--fleet-p99 worst-pod` keeps that older, harsher reading for
+comparison: the maximum of F noisy p99s grows with F where the summed histogram's does not).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from iterserve.operator.tuning.knobs import Knobs
+from iterserve.operator.tuning.observation import Observation
+from tests.tuning_latency_model import LatencyModel
+
+ROUTINGS = ("round-robin", "least-load")
+FLEET_P99S = ("merged", "worst-pod")
+
+
+@dataclass
+class Pod:
+    model: LatencyModel
+    ready_at: float
+
+
+def even(backlogs: list[float], capacity: float, rate: float, dt: float) -> list[float]:
+    """Round-robin: the same share for every pod, whatever its queue."""
+    return [rate / len(backlogs)] * len(backlogs)
+
+
+def least_load(backlogs: list[float], capacity: float, rate: float, dt: float) -> list[float]:
+    """Each pod's arrival rate over one window of `dt` s under least-load routing, pods of equal
+    `capacity` (requests/s; the knobs are the fleet's) holding `backlogs` requests beyond their steady
+    state at its start. If the fleet can absorb the window's arrivals without any queue ending above zero,
+    a pod takes an even share of them for the part of the window after its own backlog has drained
+    (none while it is the longest queue). Otherwise the queues end level at the height L where the rates
+    `capacity + (L - backlog) / dt` (never below zero) add up to the arrivals."""
+    free = [max(0.0, 1.0 - b / (capacity * dt)) for b in backlogs]  # the share of the window each is drained
+    if sum(free) > 0 and rate / sum(free) <= capacity:
+        return [rate * f / sum(free) for f in free]
+    lo, hi = 0.0, max(backlogs) + rate * dt
+    for _ in range(60):  # bisection on the level: the total is increasing in it
+        mid = (lo + hi) / 2
+        total = sum(max(0.0, capacity + (mid - b) / dt) for b in backlogs)
+        lo, hi = (mid, hi) if total < rate else (lo, mid)
+    return [max(0.0, capacity + (hi - b) / dt) for b in backlogs]
+
+
+ROUTE = {"round-robin": even, "least-load": least_load}
+
+
+def merged_p99(p99s: list[float], weights: list[float], q: float = 0.99) -> float:
+    """The q-quantile of the pods' latencies pooled (each pod weighing by the requests it finished), with
+    each pod's tail above its own p99 taken as exponential (the latency model's TTFT is a few times an
+    exponential-ish wait): P(X > x) = (1 - q)^(x / p99). Between the smallest and the largest p99; the
+    common p99 when all are equal; near a worse pod's when it finishes a good share of the requests."""
+    pods = [(p, w) for p, w in zip(p99s, weights) if w > 0 and p > 0]
+    if not pods:
+        return max(p99s)
+    total, k = sum(w for _, w in pods), -math.log(1 - q)
+    lo, hi = min(p for p, _ in pods), max(p for p, _ in pods)
+    for _ in range(50):  # bisection: the pooled tail falls as x grows
+        mid = (lo + hi) / 2
+        tail = sum(w * math.exp(-k * mid / p) for p, w in pods) / total
+        lo, hi = (mid, hi) if tail > 1 - q else (lo, mid)
+    return hi
+
+
+class FleetSim:
+    """Pods of the latency model behind `routing` (one of ROUTINGS)."""
+
+    def __init__(self, replicas: int, seed: int, start_s: float, routing: str = "round-robin",
+                 fleet_p99: str = "merged"):
+        self.seed, self.start_s, self.made, self.route = seed, start_s, 0, ROUTE[routing]
+        self.worst = {"merged": False, "worst-pod": True}[fleet_p99]
+        self.pods = [self._pod(-1.0) for _ in range(replicas)]
+
+    def _pod(self, ready_at: float) -> Pod:
+        self.made += 1
+        return Pod(LatencyModel(seed=self.seed * 1000 + self.made), ready_at)
+
+    def resize(self, replicas: int, now: float) -> None:
+        while len(self.pods) < replicas:
+            self.pods.append(self._pod(now + self.start_s))
+        while len(self.pods) > replicas:  # the newest goes first (a ReplicaSet prefers unready, young pods)
+            gone = self.pods.pop()
+            ready = [p for p in self.pods if p.ready_at <= now] or self.pods
+            for p in ready:
+                p.model.backlog += gone.model.backlog / len(ready)
+
+    def window(self, knobs: Knobs, rate: float, start: float, end: float) -> Observation:
+        """The fleet's window as the operator reads it from every ready pod's /metrics: rates and queues
+        summed, p99s the summed histograms' (or the worst pod's)."""
+        ready = [p for p in self.pods if p.ready_at <= start]
+        capacity = ready[0].model.steady(knobs, rate / len(ready)).capacity  # one model, one setting: equal
+        before = [p.model.backlog for p in ready]
+        rates = self.route(before, capacity, rate, end - start)
+        obs = [p.model.window(knobs, r, start, end) for p, r in zip(ready, rates)]
+        # what each pod finished: its arrivals and what its backlog went down by (a draining pod that gets
+        # no new request still serves its queue, at its full TTFT)
+        done = [r * (end - start) + b - p.model.backlog for p, r, b in zip(ready, rates, before)]
+
+        def pool(p99s: list[float]) -> float:
+            return max(p99s) if self.worst else merged_p99(p99s, done)
+
+        return Observation(
+            start=start, end=end, num_pods=len(obs), num_samples=sum(o.num_samples for o in obs),
+            ttft_p99_s=pool([o.ttft_p99_s for o in obs]), itl_p99_s=pool([o.itl_p99_s for o in obs]),
+            request_rate=sum(o.request_rate for o in obs), prompt_token_rate=sum(o.prompt_token_rate for o in obs),
+            generation_token_rate=sum(o.generation_token_rate for o in obs), waiting=sum(o.waiting for o in obs),
+            running=sum(o.running for o in obs), queue_time_mean_s=max(o.queue_time_mean_s for o in obs),
+            kv_usage=max(o.kv_usage for o in obs), preemption_rate=sum(o.preemption_rate for o in obs),
+            error_rate=0.0)
+
+    def ready(self, now: float) -> int:
+        return sum(p.ready_at <= now for p in self.pods)

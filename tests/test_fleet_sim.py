@@ -1,0 +1,61 @@
+"""benchmarks/fleet_sim.py: the least-load routing behaves as the router's policy does in the fluid limit,
+and the fleet's p99 pools the pods' latencies as summed histograms do (tables and properties)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.fleet_sim import FleetSim, even, least_load, merged_p99
+from iterserve.operator.tuning.knobs import Knobs
+
+
+@pytest.mark.parametrize("backlogs, rate, expected", [
+    ([0, 0, 0, 0], 36.0, [9, 9, 9, 9]),  # no queues: an even share
+    ([2182, 0, 0, 0], 36.0, [0, 12, 12, 12]),  # the longest queue takes nothing while it drains
+    ([300, 0], 15.0, [5, 10]),  # drained after 15 s of 30: a share for the half window left
+    ([0, 0], 50.0, [25, 25]),  # the fleet over capacity: the queues grow level
+    ([600, 0], 50.0, [15, 35]),  # ... the shorter one first: both end at 15 x 30 = 450 queued
+])
+def test_least_load_routing_drains_the_longest_queue_first(backlogs, rate, expected):
+    rates = least_load(backlogs, capacity=20.0, rate=rate, dt=30.0)
+    assert rates == pytest.approx(expected, abs=1e-6)
+    assert even(backlogs, 20.0, rate, 30.0) == pytest.approx([rate / len(backlogs)] * len(backlogs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(backlogs=st.lists(st.floats(0, 5000), min_size=1, max_size=40), rate=st.floats(0, 2000),
+       capacity=st.floats(0.5, 50))
+def test_least_load_routing_sends_every_arrival_and_never_favours_a_longer_queue(backlogs, rate, capacity):
+    rates = least_load(backlogs, capacity, rate, 30.0)
+    assert sum(rates) == pytest.approx(rate, rel=1e-6, abs=1e-6) and min(rates) >= 0
+    by_queue = [r for _, r in sorted(zip(backlogs, rates))]
+    assert all(b <= a + 1e-6 for a, b in zip(by_queue, by_queue[1:]))
+
+
+
+@pytest.mark.parametrize("p99s, weights, expected", [
+    ([2.0, 2.0, 2.0], [1, 5, 9], 2.0),  # equal pods: their p99, whatever the weights
+    ([1.0, 100.0], [1, 0], 1.0),  # a pod that finished nothing weighs nothing
+    ([1.0, 100.0], [3, 1], pytest.approx(69.9, abs=0.1)),  # a quarter of the requests 100x slower: near them
+    ([1.0, 100.0], [999, 1], pytest.approx(1.02, abs=0.01)),  # a 0.1% slow share moves the p99 little
+    ([1.0, 3.0], [0, 0], 3.0),  # nothing finished anywhere: the worst, not a guess
+])
+def test_merged_p99_pools_the_pods_tails(p99s, weights, expected):
+    assert merged_p99(p99s, weights) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(pods=st.lists(st.tuples(st.floats(0.01, 1000), st.floats(0, 1000)), min_size=1, max_size=64))
+def test_merged_p99_lies_between_the_pods_p99s(pods):
+    p99s, weights = [p for p, _ in pods], [w for _, w in pods]
+    assert min(p99s) - 1e-9 <= merged_p99(p99s, weights) <= max(p99s) + 1e-9
+
+
+def test_the_fleet_p99_is_the_pooled_one_and_the_worst_pods_on_request():
+    knobs = Knobs(max_num_seqs=16, max_num_batched_tokens=512, prefill_chunk_size=128)
+    pooled = FleetSim(32, seed=1, start_s=60).window(knobs, 320.0, 0, 30)
+    worst = FleetSim(32, seed=1, start_s=60, fleet_p99="worst-pod").window(knobs, 320.0, 0, 30)
+    assert pooled.request_rate == worst.request_rate and pooled.waiting == worst.waiting  # the same pods
+    assert pooled.itl_p99_s < worst.itl_p99_s and pooled.ttft_p99_s < worst.ttft_p99_s  # 32 noisy draws' max
