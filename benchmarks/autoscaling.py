@@ -71,7 +71,7 @@ class Run:
     replicas: list[int] = field(default_factory=list)
 
     def summary(self) -> dict:
-        after = [w for w, s in zip(self.within, self.settled) if s]
+        after = [w for w, s in zip(self.within, self.settled, strict=True) if s]
         return {"within_slo": sum(self.within) / len(self.within), "within_slo_settled": sum(after) / len(after),
                 "replica_s": self.replica_s, "peak_replicas": max(self.replicas)}
 

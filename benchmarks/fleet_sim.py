@@ -65,7 +65,7 @@ def merged_p99(p99s: list[float], weights: list[float], q: float = 0.99) -> floa
     each pod's tail above its own p99 taken as exponential (the latency model's TTFT is a few times an
     exponential-ish wait): P(X > x) = (1 - q)^(x / p99). Between the smallest and the largest p99; the
     common p99 when all are equal; near a worse pod's when it finishes a good share of the requests."""
-    pods = [(p, w) for p, w in zip(p99s, weights) if w > 0 and p > 0]
+    pods = [(p, w) for p, w in zip(p99s, weights, strict=True) if w > 0 and p > 0]
     if not pods:
         return max(p99s)
     total, k = sum(w for _, w in pods), -math.log(1 - q)
@@ -106,10 +106,10 @@ class FleetSim:
         capacity = ready[0].model.steady(knobs, rate / len(ready)).capacity  # one model, one setting: equal
         before = [p.model.backlog for p in ready]
         rates = self.route(before, capacity, rate, end - start)
-        obs = [p.model.window(knobs, r, start, end) for p, r in zip(ready, rates)]
+        obs = [p.model.window(knobs, r, start, end) for p, r in zip(ready, rates, strict=True)]
         # what each pod finished: its arrivals and what its backlog went down by (a draining pod that gets
         # no new request still serves its queue, at its full TTFT)
-        done = [r * (end - start) + b - p.model.backlog for p, r, b in zip(ready, rates, before)]
+        done = [r * (end - start) + b - p.model.backlog for p, r, b in zip(ready, rates, before, strict=True)]
 
         def pool(p99s: list[float]) -> float:
             return max(p99s) if self.worst else merged_p99(p99s, done)

@@ -160,7 +160,7 @@ def batch1_decode(engine, sizes: Sizes, copy_gb_s: float | None) -> dict:
     runner.static_decode = saved
     if len(outputs) == 2:  # split-KV sizes differ between the two, so bits (and a few argmaxes) may too
         a, b = outputs.values()
-        result["static_vs_eager_token_match"] = sum(x == y for x, y in zip(a, b)) / len(a)
+        result["static_vs_eager_token_match"] = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
     step_bytes = bytes_per_decode_step(runner)
     result["weight_bytes_per_step"] = step_bytes
     if copy_gb_s:

@@ -210,7 +210,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + n)
             n += 1
-    return dict(zip(printable, map(chr, chars)))
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 def measure(engine, schema_name: str, schema, doc, tok: Tokenizer, batch: int, eos: int, vocab_size: int) -> dict:

@@ -72,7 +72,7 @@ def exposition(elapsed_s: float) -> str:
     for name, (bounds, shares) in HISTOGRAM_SHAPES.items():
         count = requests * (GENERATION_TOKENS_PER_REQUEST - 1 if name == ITL else 1)
         lines.append(f"# TYPE {name} histogram")
-        lines.extend(f'{name}_bucket{{le="{le}"}} {count * share}' for le, share in zip(bounds, shares))
+        lines.extend(f'{name}_bucket{{le="{le}"}} {count * share}' for le, share in zip(bounds, shares, strict=True))
         lines.append(f'{name}_bucket{{le="+Inf"}} {count}')
         lines.append(f"{name}_sum {count * bounds[0]}")
         lines.append(f"{name}_count {count}")

@@ -80,7 +80,7 @@ def kv_waste_by_block_size(prompt_lens: list[int], output_lens: list[int], max_n
         engine = LLMEngine(NullModelRunner(bs, prepare_inputs=False), tokenizer=None, max_model_len=8192,
                            num_blocks=2**20 // bs, block_size=bs,
                            knobs=SchedulerKnobs(max_num_seqs=max_num_seqs), vocab_size=1000)
-        for p, n in zip(prompt_lens, output_lens):
+        for p, n in zip(prompt_lens, output_lens, strict=True):
             engine.add_request(prompt_token_ids=[1] * p,
                                sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         while engine.has_unfinished_requests():

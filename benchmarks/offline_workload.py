@@ -115,7 +115,7 @@ def make_workload(num_prompts: int = 64, min_out: int = 8, max_out: int = 256, s
         raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
     lengths = _output_lengths(num_prompts, min_out, max_out, seed)
     if kind == "mixed":
-        return [WorkItem(p, n) for p, n in zip(_random_word_prompts(num_prompts, seed), lengths)]
+        return [WorkItem(p, n) for p, n in zip(_random_word_prompts(num_prompts, seed), lengths, strict=True)]
     # More requests than prompts reuse prompts in order; prompt i always pairs with the same slot.
     return [WorkItem(PROMPTS[i % len(PROMPTS)], n) for i, n in enumerate(lengths)]
 

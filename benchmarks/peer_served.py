@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*`, 
 
 from benchmarks.peer_vllm import INSTALLED_MARKER, venv_python, vllm_env  # noqa: E402
 from benchmarks.prepare_model import prepare_hf_model  # noqa: E402
-from iterserve.server.bench.load import BenchConfig, run_bench  # noqa: E402
-from iterserve.server.bench.workload import SHAPES, WorkloadSpec  # noqa: E402
+from iterserve.bench.load import BenchConfig, run_bench  # noqa: E402
+from iterserve.bench.workload import SHAPES, WorkloadSpec  # noqa: E402
 
 VLLM_SERVED_CONFIGS = {"eager": ["--enforce-eager"], "compiled": []}
 FIGURES = (("out tok/s", ("output_throughput",)), ("TTFT p50", ("ttft_ms", "p50")),

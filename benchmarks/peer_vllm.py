@@ -72,7 +72,7 @@ def vllm_env(threads: int) -> dict[str, str]:
 
 def matched_len(prompt_lens: list[int], max_tokens: list[int]) -> int:
     """max_model_len matched to a workload: its longest prompt + output, rounded up to a power of two."""
-    longest = max(p + n for p, n in zip(prompt_lens, max_tokens))
+    longest = max(p + n for p, n in zip(prompt_lens, max_tokens, strict=True))
     return max(256, 1 << (longest - 1).bit_length())
 
 

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*`, 
 from benchmarks.peer_served import VLLM_SERVED_CONFIGS, Server, figure  # noqa: E402
 from benchmarks.peer_vllm import INSTALLED_MARKER  # noqa: E402
 from benchmarks.prepare_model import prepare_hf_model  # noqa: E402
-from iterserve.server.bench.load import BenchConfig, run_bench  # noqa: E402
-from iterserve.server.bench.shared_prefix import max_prefix_hits  # noqa: E402
-from iterserve.server.bench.workload import WorkloadSpec, generate_requests  # noqa: E402
+from iterserve.bench.load import BenchConfig, run_bench  # noqa: E402
+from iterserve.bench.shared_prefix import max_prefix_hits  # noqa: E402
+from iterserve.bench.workload import WorkloadSpec, generate_requests  # noqa: E402
 
 WORKLOADS = ("system-prompt", "multi-turn")
 BLOCK_SIZE = 16  # iterserve's and vLLM's default

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*`, 
 
 from benchmarks.peer_served import Server, _free_port, _tail, stop_session  # noqa: E402
 from benchmarks.prepare_model import prepare_hf_model  # noqa: E402
-from iterserve.server.bench.load import BenchConfig, run_bench  # noqa: E402
-from iterserve.server.bench.workload import SHAPES, WorkloadSpec, parse_length  # noqa: E402
+from iterserve.bench.load import BenchConfig, run_bench  # noqa: E402
+from iterserve.bench.workload import SHAPES, WorkloadSpec, parse_length  # noqa: E402
 
 POLICIES = ("round-robin", "least-load", "prefix-hash")
 BASELINE = "round-robin"

@@ -196,7 +196,7 @@ def main() -> int:
             print(f"round {r}: first event direct p50 {row[0] * 1e3:.2f} p99 {row[1] * 1e3:.2f} ms | via router "
                   f"p50 {row[2] * 1e3:.2f} p99 {row[3] * 1e3:.2f} ms | added p50 {(row[2] - row[0]) * 1e3:.2f} "
                   f"p99 {(row[3] - row[1]) * 1e3:.2f} ms ({row[4]} / {row[5]} requests)")
-        med = [statistics.median(col) for col in zip(*rows)]
+        med = [statistics.median(col) for col in zip(*rows, strict=True)]
         print(f"median over rounds: added latency to the first event at {args.streams} streams: "
               f"p50 {(med[2] - med[0]) * 1e3:.2f} ms, p99 {(med[3] - med[1]) * 1e3:.2f} ms "
               f"(direct p99 {med[1] * 1e3:.2f} ms, via router p99 {med[3] * 1e3:.2f} ms)")
@@ -212,7 +212,7 @@ def main() -> int:
             routed = asyncio.run(load(fast_router_port, args.rps_clients, args.seconds, one))
             used = cpu_seconds(procs[3].pid) - before
             rates.append((len(direct) / args.seconds, len(routed) / args.seconds, len(routed) / used))
-        d, r, per_cpu = (statistics.median(c) for c in zip(*rates))
+        d, r, per_cpu = (statistics.median(c) for c in zip(*rates, strict=True))
         print(f"throughput, {args.rps_clients} closed-loop clients, one-event responses: router on one core "
               f"{r:.0f} requests/s; the stand-in hit directly {d:.0f} requests/s (ratio {d / r:.1f}x); "
               f"{per_cpu:.0f} requests per second of the router's CPU time (a core of its own would carry that)")

@@ -54,9 +54,9 @@ def measure_overhead(num_running: int = 256, steps: int = 300, block_size: int =
         "steps": steps,
         "schedule_ms_median": med(schedule_ms),
         "prepare_inputs_ms_median": med(prepare_ms),
-        "schedule_and_prepare_ms_median": med(s + p for s, p in zip(schedule_ms, prepare_ms)),
+        "schedule_and_prepare_ms_median": med(s + p for s, p in zip(schedule_ms, prepare_ms, strict=True)),
         "postprocess_ms_median": med(rest_ms),
-        "engine_step_ms_median": med(s + p + r for s, p, r in zip(schedule_ms, prepare_ms, rest_ms)),
+        "engine_step_ms_median": med(s + p + r for s, p, r in zip(schedule_ms, prepare_ms, rest_ms, strict=True)),
     }
 
 

@@ -64,7 +64,7 @@ def timed_run(llm: LLM, prompts: list[str], sps: list[SamplingParams]) -> tuple[
     seconds = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outs)
     valid = 0
-    for o, sp in zip(outs, sps):
+    for o, sp in zip(outs, sps, strict=True):
         if sp.structured_output is not None and o.finish_reason == "stop":
             json.loads(o.text)
             valid += 1

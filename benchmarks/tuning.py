@@ -135,7 +135,8 @@ def after_convergence(figures: dict, start_s: float | None) -> float | None:
 def make_load(args, speed: float = 1.0) -> StepLoad:
     shares = args.long_shares or [None] * len(args.rates)
     durations = args.phase_s * len(args.rates) if len(args.phase_s) == 1 else args.phase_s
-    return StepLoad(tuple(Phase(round(r * speed, 3), d, share) for r, d, share in zip(args.rates, durations, shares)),
+    phases = zip(args.rates, durations, shares, strict=True)  # main() refused lists of other lengths
+    return StepLoad(tuple(Phase(round(r * speed, 3), d, share) for r, d, share in phases),
                     long_prompt=tuple(args.long_prompt), short_prompt=tuple(args.short_prompt),
                     long_share=args.long_share, output=tuple(args.output),
                     long_output=tuple(args.long_output) if args.long_output else None, seed=args.seed)

@@ -9,7 +9,7 @@ same requests at the same offsets. `send_load` plays it against a server through
 client (one streaming request per arrival, each recorded as a `RequestRecord`).
 
 Figures (pure, from the records):
-- goodput: `iterserve.server.bench.report.goodput` with SLO {ttft, itl}: a request is good when it
+- goodput: `iterserve.bench.report.goodput` with SLO {ttft, itl}: a request is good when it
   succeeded, its TTFT is within the TTFT SLO and its slowest inter-token gap within the ITL SLO;
   divided by the load's duration (the same for every run, so goodputs compare as counts of good requests).
 - windows: the load's time cut into fixed windows; a window is within SLO when the p99 TTFT of the
@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 import httpx
 import numpy as np
 
-from iterserve.server.bench.client import RequestRecord, Target, fetch_models, probe_target, run_clock, stream_request
-from iterserve.server.bench.report import goodput, itls, meets_slo
-from iterserve.server.bench.workload import LengthDist, RequestSpec, WorkloadSpec, generate_requests
+from iterserve.bench.client import RequestRecord, Target, fetch_models, probe_target, run_clock, stream_request
+from iterserve.bench.report import goodput, itls, meets_slo
+from iterserve.bench.workload import LengthDist, RequestSpec, WorkloadSpec, generate_requests
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def window_figures(records: list[RequestRecord], duration_s: float, window_s: fl
         w = int(r.start // window_s)
         if 0 <= w < n:
             ttfts[w].append(r.first_token - r.start if r.first_token is not None and r.ok else math.inf)
-        for end, gap in zip(r.chunk_times[1:], itls(r)):
+        for end, gap in zip(r.chunk_times[1:], itls(r), strict=True):
             w = int(end // window_s)
             if 0 <= w < n:
                 gaps[w].append(gap)

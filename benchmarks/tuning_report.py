@@ -91,7 +91,7 @@ def attainable(rnd: dict, best: tuple[int, int], spans: list[tuple[float, float]
                 if any(run["windows"][i]["within_slo"] is not None for run in grid) else None
                 for i in range(len(grid[0]["windows"]))]
     conv = rnd["tuned"].get("convergence_s")
-    after = [m for m, w in zip(some_met, grid[0]["windows"]) if conv is not None and w["start_s"] >= conv]
+    after = [m for m, w in zip(some_met, grid[0]["windows"], strict=True) if conv is not None and w["start_s"] >= conv]
     return {"goodput_ratio": per_phase / static if static else math.inf, "num_good": per_phase,
             "windows": share_decided(some_met), "windows_after_convergence": share_decided(after)}
 

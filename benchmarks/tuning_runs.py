@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.tuning_load import StepLoad, find_target, send_load
+from iterserve.bench.client import RequestRecord, stream_request
+from iterserve.bench.report import itls
 from iterserve.operator.tuning.decide import HOLD
 from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import RUNNING, WAITING
@@ -31,8 +33,6 @@ from iterserve.operator.tuning.observe import PodScraper, parse_scrape
 from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.tuner import Tuner
-from iterserve.server.bench.client import RequestRecord, stream_request
-from iterserve.server.bench.report import itls
 
 DEFAULT_KNOBS = Knobs(max_num_seqs=64, max_num_batched_tokens=512, prefill_chunk_size=256)
 

@@ -20,8 +20,8 @@ import time
 
 
 def bench(args) -> dict:
-    from iterserve.server.bench.load import BenchConfig, run_bench
-    from iterserve.server.bench.workload import WorkloadSpec, parse_length
+    from iterserve.bench.load import BenchConfig, run_bench
+    from iterserve.bench.workload import WorkloadSpec, parse_length
 
     stop = threading.Event()
 
@@ -75,7 +75,7 @@ async def streams(args) -> dict:
     events = [asyncio.Event() for _ in range(args.streams)]
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10)) as client:
         tasks = [asyncio.create_task(one_stream(client, args.url, args.max_tokens, e, f))
-                 for e, f in zip(events, firsts)]
+                 for e, f in zip(events, firsts, strict=True)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout=300)
         print("STREAMS STARTED", flush=True)  # every stream has its first tokens: the test deletes the pod
         results = await asyncio.gather(*tasks, return_exceptions=True)

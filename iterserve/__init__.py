@@ -8,8 +8,9 @@ import importlib
 import os
 
 # Installed, the sub-packages lie in this folder. In a checkout this folder holds only this file and they are
-# its siblings (server/, operator/, kernels/, common/, without __init__.py: see pyproject.toml), so the
-# checkout's root joins the search path: an editable install and `python -m` from the root both find them.
+# its siblings (server/, operator/, kernels/, common/, router/, bench/, without __init__.py: see
+# pyproject.toml), so the checkout's root joins the search path: an editable install and `python -m` from
+# the root both find them.
 if not os.path.isdir(os.path.join(os.path.dirname(__file__), "server")):
     __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -33,7 +33,7 @@ def _walk(desired, actual, path: str, found: list[str], limit: int) -> None:
         for key, value in desired.items():
             _walk(value, actual.get(key), f"{path}.{key}" if path else key, found, limit)
     elif isinstance(desired, list) and isinstance(actual, list) and len(desired) == len(actual):
-        for i, (d, a) in enumerate(zip(desired, actual)):
+        for i, (d, a) in enumerate(zip(desired, actual, strict=True)):
             _walk(d, a, f"{path}[{i}]", found, limit)
     elif desired != actual and not _same_number(desired, actual):
         found.append(path)

@@ -24,4 +24,4 @@ for package, folder in package_dir.items():
     else:
         os.symlink(os.path.relpath(folder, os.path.dirname(link)), link)
 PY
-"$python" -m mypy 2>&1 | sed -E "s#^($tree/)?iterserve/(server|operator|kernels|common|router)/#\2/#"
+"$python" -m mypy 2>&1 | sed -E "s#^($tree/)?iterserve/(server|operator|kernels|common|router|bench)/#\2/#"

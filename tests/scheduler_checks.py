@@ -56,7 +56,7 @@ class ScheduleChecks:
         assert out.total_num_scheduled_tokens == sum(cap.num_scheduled)
         assert out.total_num_scheduled_tokens <= knobs.max_num_batched_tokens
         for s, req, n, c, total, tlen in zip(out.scheduled, cap.scheduled, cap.num_scheduled, cap.computed_before,
-                                             cap.num_tokens_before, cap.table_lens):
+                                             cap.num_tokens_before, cap.table_lens, strict=True):
             assert 1 <= n, (req, n, knobs)
             tr = self.reqs[req.request_id]
             if tr.num_cached is None:  # its first admission: from a cached prefix of whole blocks
@@ -70,7 +70,7 @@ class ScheduleChecks:
             assert tlen == cdiv(c + n, bs), (req, c, n, tlen)
         assert cap.tables_are_the_block_managers
         # prefill tokens (requests with more than one token left) share prefill_chunk_size per step
-        prefill = [n for n, c, total in zip(cap.num_scheduled, cap.computed_before, cap.num_tokens_before)
+        prefill = [n for n, c, total in zip(cap.num_scheduled, cap.computed_before, cap.num_tokens_before, strict=True)
                    if total - c > 1]
         assert sum(prefill) <= knobs.prefill_chunk_size, (prefill, knobs)
         # aborts: exactly the unfinished requests aborted since the last step
@@ -125,7 +125,7 @@ class ScheduleChecks:
     def _check_outputs(self, cap: Captured, outputs):
         # every scheduled request whose computed tokens reach its end samples exactly one token
         sampling = {r.request_id for r, n, c, total in zip(cap.scheduled, cap.num_scheduled,
-                                                           cap.computed_before, cap.num_tokens_before)
+                                                           cap.computed_before, cap.num_tokens_before, strict=True)
                     if c + n == total}
         seen = [o.request_id for o in outputs]
         assert len(seen) == len(set(seen)), f"two outputs for one request in a step: {seen}"

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from PIL import Image
 
-from iterserve.server.bench.load import BenchConfig, Progress, run_bench
-from iterserve.server.bench.plots import write_plots
-from iterserve.server.bench.report import e2e, fraction_at_or_below, itls, tpot, ttft
-from iterserve.server.bench.result import RunResult
-from iterserve.server.bench.workload import WorkloadSpec, parse_length
+from iterserve.bench.load import BenchConfig, Progress, run_bench
+from iterserve.bench.plots import write_plots
+from iterserve.bench.report import e2e, fraction_at_or_below, itls, tpot, ttft
+from iterserve.bench.result import RunResult
+from iterserve.bench.workload import WorkloadSpec, parse_length
 from tests.server_support import ROOT, metric_value, start_subprocess
 
 pytestmark = pytest.mark.slow
@@ -114,7 +114,7 @@ def test_closed_loop_cli_run_figures_plots_and_server_agreement(server, tmp_path
     assert server_side["histograms"]["queue"]["count"] == 12
     # The bench's own before/after delta is this test's delta minus the one probe request sent first.
     bench = {le if le != "+Inf" else math.inf: c for le, c in server_side["histograms"]["ttft"]["buckets"]}
-    probe = [a - b - bench[le] for (le, a), (_, b) in zip(after, before)]
+    probe = [a - b - bench[le] for (le, a), (_, b) in zip(after, before, strict=True)]
     assert probe[-1] == 1 and all(p in (0, 1) for p in probe) and probe == sorted(probe)
     # Client TTFT >= server TTFT (the client's clock starts before the server sees the request and stops
     # after the chunk is sent), and no request's overhead spans more than one bucket.

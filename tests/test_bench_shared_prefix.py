@@ -1,4 +1,4 @@
-"""`iterserve bench`'s shared-prefix workloads (server/bench/shared_prefix.py): seeded, prefixes shared as
+"""`iterserve bench`'s shared-prefix workloads (bench/shared_prefix.py): seeded, prefixes shared as
 their parameters say, histories resent turn after turn, and the best possible hit count."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from iterserve.server.bench import cli as bench_cli
-from iterserve.server.bench.shared_prefix import max_prefix_hits
-from iterserve.server.bench.workload import WorkloadError, WorkloadSpec, generate_requests, parse_length
+from iterserve.bench import cli as bench_cli
+from iterserve.bench.shared_prefix import max_prefix_hits
+from iterserve.bench.workload import WorkloadError, WorkloadSpec, generate_requests, parse_length
 
 
 def _requests(n=40, **kw):
@@ -41,7 +41,7 @@ def test_multi_turn_resends_the_history_and_starts_new_conversations():
     reqs = _requests(24, shape="multi-turn", prefix_len=50, num_prefixes=2, num_turns=3,
                      input_len=parse_length("10"), output_len=parse_length("5"))
     # conversations 0 and 1 interleaved for 3 turns, then 2 and 3
-    for first, second in zip(reqs, reqs[2:]):
+    for first, second in zip(reqs, reqs[2:], strict=False):
         if second.index % 6 >= 2:  # a later turn of the same conversation
             assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
             assert len(second.prompt_ids) == len(first.prompt_ids) + 5 + 10  # its answer, then a new question

@@ -11,18 +11,18 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from iterserve.server.bench import compare, report
-from iterserve.server.bench.client import RequestRecord
-from iterserve.server.bench.load import BenchConfig
-from iterserve.server.bench.metrics_scraper import (
+from iterserve.bench import compare, report
+from iterserve.bench.client import RequestRecord
+from iterserve.bench.load import BenchConfig
+from iterserve.bench.metrics_scraper import (
     histogram_buckets,
     histogram_delta,
     histogram_quantile,
     parse_metrics,
     summarize_scrapes,
 )
-from iterserve.server.bench.result import BenchResult, RunResult
-from iterserve.server.bench.workload import LengthDist, WorkloadError, WorkloadSpec, generate_requests, parse_length
+from iterserve.bench.result import BenchResult, RunResult
+from iterserve.bench.workload import LengthDist, WorkloadError, WorkloadSpec, generate_requests, parse_length
 from iterserve.server.entrypoints.cli import main as iterserve_main
 
 # -- workload ---------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_compare_refuses_a_file_that_is_not_a_result(tmp_path, capsys):
 
 def test_bench_imports_no_engine_internals():
     """The bench is a client: it must work without torch or the engine (and stay cheap to import)."""
-    code = ("import sys, iterserve.server.bench.cli, iterserve.server.bench.console, iterserve.server.bench.plots;"
+    code = ("import sys, iterserve.bench.cli, iterserve.bench.console, iterserve.bench.plots;"
             "bad = [m for m in sys.modules if m == 'torch' or m.split('.')[:3] in "
             "(['iterserve','server','engine'], ['iterserve','server','model'], ['iterserve','server','runner'],"
             " ['iterserve','server','api'])]; print(bad)")
@@ -300,7 +300,7 @@ def test_bench_imports_no_engine_internals():
 def test_tokenizer_makes_text_prompts_exact(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from iterserve.server.bench.workload import WORDS
+    from iterserve.bench.workload import WORDS
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(dict.fromkeys(WORDS))}, unk_token="the"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

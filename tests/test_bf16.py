@@ -93,10 +93,10 @@ def run_bf16(path: str, prompts: list[list[int]], **options):
 def assert_close_to_hf(outputs, reference) -> int:
     """vLLM's check_logprobs_close (see the module docstring); returns how many tokens agreed."""
     agreed = 0
-    for i, (out, (tokens, hf_tops)) in enumerate(zip(outputs, reference)):
+    for i, (out, (tokens, hf_tops)) in enumerate(zip(outputs, reference, strict=True)):
         assert len(out.token_ids) == MAX_TOKENS
         ours_tops = [{t for t, _ in top} for top in out.top_logprobs]
-        for pos, (ours, theirs) in enumerate(zip(out.token_ids, tokens)):
+        for pos, (ours, theirs) in enumerate(zip(out.token_ids, tokens, strict=True)):
             if ours != theirs:
                 assert ours in hf_tops[pos] and theirs in ours_tops[pos], (
                     f"prompt {i}, token {pos}: ours {ours} (HF's top {sorted(hf_tops[pos])}), "

@@ -186,7 +186,7 @@ def test_kill_switch_takes_the_torch_path(monkeypatch, refuse_kernel, dtype):
     monkeypatch.setenv(cpu_layer_ops.ENV_VAR, "torch")
     assert not cpu_layer_ops.available()
     got, expected = _call_all(dtype)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert g.dtype == dtype and torch.equal(g, e)
 
 
@@ -209,7 +209,7 @@ def test_other_dtypes_take_the_torch_path(monkeypatch, refuse_kernel, dtype):
     monkeypatch.delenv(cpu_layer_ops.ENV_VAR, raising=False)
     assert cpu_layer_ops.available()
     got, expected = _call_all(dtype)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert g.dtype == dtype and torch.equal(g, e)
 
 
@@ -226,7 +226,7 @@ def test_failed_build_falls_back_to_torch_and_warns_once(monkeypatch, caplog):
         got, expected = _call_all(torch.float32)
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "no compiler here" in caplog.text
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert torch.equal(g, e)
 
 
@@ -274,7 +274,7 @@ def test_model_matches_torch_layer_ops(kernel):
     caches = [[(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)] for _ in models]
     for done, new in steps:
         ids, positions, meta = _step(done, new, tables, block_size)
-        hidden = [m(ids, positions, c, meta) for m, c in zip(models, caches)]
+        hidden = [m(ids, positions, c, meta) for m, c in zip(models, caches, strict=True)]
         torch.testing.assert_close(hidden[0], hidden[1], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(models[0].compute_logits(hidden[0]), models[1].compute_logits(hidden[1]),
                                    atol=1e-5, rtol=1e-4)

@@ -142,7 +142,7 @@ def test_model_bf16_is_as_close_to_fp32_as_torch_layer_ops(monkeypatch):
               for dtype in (torch.float32, torch.bfloat16, torch.bfloat16)]
     for done, new in steps:
         ids, positions, meta = _step(done, new, tables, block_size)
-        expected, kernel_bf16, torch_bf16 = (m(ids, positions, c, meta) for m, c in zip(models, caches))
+        expected, kernel_bf16, torch_bf16 = (m(ids, positions, c, meta) for m, c in zip(models, caches, strict=True))
         assert kernel_bf16.dtype == torch_bf16.dtype == torch.bfloat16
         kernel_err = (kernel_bf16.float() - expected).abs().max().item()
         torch_err = (torch_bf16.float() - expected).abs().max().item()

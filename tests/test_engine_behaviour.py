@@ -72,7 +72,7 @@ def test_top_logprobs_are_the_most_likely_tokens(tiny_llama):
         max_tokens=5, temperature=0, ignore_eos=True, top_logprobs=4))
     out = drain(engine)[rid][-1]
     assert len(out.top_logprobs) == 5
-    for token, chosen, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+    for token, chosen, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
         values = [v for _, v in top]
         assert len(top) == 4 and values == sorted(values, reverse=True)
         assert top[0] == (token, chosen)  # greedy picks the most likely token

@@ -44,7 +44,7 @@ def run(engine, items, on_step=None):
 
 def assert_matches_hf(tiny, outputs, items):
     path, model = tiny
-    for out, (prompt, n) in zip(outputs, items):
+    for out, (prompt, n) in zip(outputs, items, strict=True):
         assert out.finish_reason == "length"
         assert out.token_ids == reference(path, model, prompt, n), f"prompt of {len(prompt)} tokens"
 

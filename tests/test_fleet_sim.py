@@ -30,8 +30,8 @@ def test_least_load_routing_drains_the_longest_queue_first(backlogs, rate, expec
 def test_least_load_routing_sends_every_arrival_and_never_favours_a_longer_queue(backlogs, rate, capacity):
     rates = least_load(backlogs, capacity, rate, 30.0)
     assert sum(rates) == pytest.approx(rate, rel=1e-6, abs=1e-6) and min(rates) >= 0
-    by_queue = [r for _, r in sorted(zip(backlogs, rates))]
-    assert all(b <= a + 1e-6 for a, b in zip(by_queue, by_queue[1:]))
+    by_queue = [r for _, r in sorted(zip(backlogs, rates, strict=True))]
+    assert all(b <= a + 1e-6 for a, b in zip(by_queue, by_queue[1:], strict=False))
 
 
 

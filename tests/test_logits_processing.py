@@ -103,10 +103,10 @@ def test_repetition_penalty_matches_hf_generate_in_a_mixed_batch(tiny_llama, opt
     items = workload(12, seed=7, max_prompt=40, max_out=60)
     penalty = [1.3 if i % 2 else 1.0 for i in range(len(items))]
     requests = [(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, repetition_penalty=rp))
-                for (prompt, n), rp in zip(items, penalty)]
+                for (prompt, n), rp in zip(items, penalty, strict=True)]
     engine = make_engine(path, **options)
     outputs = run(engine, requests)
-    for (prompt, n), rp, got in zip(items, penalty, outputs):
+    for (prompt, n), rp, got in zip(items, penalty, outputs, strict=True):
         assert got == hf_repetition(model, prompt, n, rp), f"repetition_penalty {rp}"
 
 

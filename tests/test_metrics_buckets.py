@@ -23,7 +23,7 @@ def cumulative(edges: list[float], seconds: list[float]) -> dict[float, float]:
 def test_every_vllm_edge_stays_and_no_bucket_in_the_slo_range_spans_more_than_one_and_a_half(ours, vllm, low, high):
     assert ours == sorted(set(ours))
     assert set(vllm) <= set(ours)
-    widths = [b / a for a, b in zip(ours, ours[1:]) if low <= a < high]
+    widths = [b / a for a, b in zip(ours, ours[1:], strict=False) if low <= a < high]
     assert max(widths) <= 1.5 + 1e-9, widths
 
 

@@ -80,7 +80,7 @@ def test_observed_generation_never_goes_backwards(kube_cluster, kube_namespace, 
         seen = watch.stop()
     observed = [o for _, o in seen if o is not None]
     assert observed and observed[-1] == generation, seen
-    backwards = [(a, b) for a, b in zip(observed, observed[1:]) if b < a]
+    backwards = [(a, b) for a, b in zip(observed, observed[1:], strict=False) if b < a]
     assert not backwards, f"observedGeneration went backwards {backwards} in {seen}"
     svc = kube.get_llmservice(ns, "chat")
     assert all(c["observedGeneration"] == generation for c in svc["status"]["conditions"]

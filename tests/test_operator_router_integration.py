@@ -99,7 +99,7 @@ def test_router_on_then_off(kube_cluster, kube_namespace, operator):
                              and kube.list("v1", "Pod", ns, selector(ROUTER_PODS)), timeout=TIMEOUT,
                              what="the router pods")
     ips = sorted(f"192.0.2.{10 + i}" for i in range(len(router_pods)))
-    for pod, ip in zip(router_pods, ips):
+    for pod, ip in zip(router_pods, ips, strict=True):
         mark_ready(kube, ns, pod, ip)
     wait_until(lambda: kube.get("v1", "Service", ns, "chat")["spec"]["selector"] == ROUTER_PODS, timeout=TIMEOUT,
                what="the Service switched to the router")

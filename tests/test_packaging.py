@@ -138,8 +138,8 @@ EXTRA_CHECK = textwrap.dedent(r'''
     for package in packages:
         root = importlib.import_module(package)
         for info in pkgutil.walk_packages(root.__path__, package + "."):
-            # the Triton kernels belong to the cuda extra; the bench is its own extra
-            if "triton" in info.name.rsplit(".", 1)[1] or ".bench" in info.name and extra != "bench":
+            # the Triton kernels belong to the cuda extra
+            if "triton" in info.name.rsplit(".", 1)[1]:
                 continue
             importlib.import_module(info.name)
             imported += 1
@@ -150,7 +150,7 @@ EXTRA_CHECK = textwrap.dedent(r'''
 
 EXTRA_CODE = {"server": ["iterserve.server", "iterserve.kernels", "iterserve.common"],
               "operator": ["iterserve.operator", "iterserve.common"],
-              "bench": ["iterserve.server.bench", "iterserve.common"],
+              "bench": ["iterserve.bench", "iterserve.common"],
               "router": ["iterserve.router", "iterserve.common"]}
 
 

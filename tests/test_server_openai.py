@@ -77,7 +77,7 @@ def test_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
-    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         # greedy: the chosen token is the most likely, and the alternatives are no more likely
         assert 1 <= len(top) <= 3 and top[token] == chosen == max(top.values())
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
@@ -200,7 +200,7 @@ def test_default_model_chat():
             arrivals.append((time.monotonic(), c.choices[0].delta.content or "" if c.choices else ""))
         assert "".join(t for _, t in arrivals) == r.choices[0].message.content
         # tokens flush as steps produce them: chunks arrive spread out, not in one burst at the end
-        gaps = [b[0] - a[0] for a, b in zip(arrivals[1:], arrivals[2:])]
+        gaps = [b[0] - a[0] for a, b in zip(arrivals[1:], arrivals[2:], strict=False)]
         assert sum(g > 0.002 for g in gaps) >= len(gaps) // 2, gaps
         stopped = client.chat.completions.create(model="smol", messages=messages, max_tokens=24, temperature=0,
                                                  stop=["Paris"])

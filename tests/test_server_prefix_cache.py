@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
+from iterserve.bench.workload import words_prompt
 from iterserve.operator.tuning.observation import KV_USAGE
 from iterserve.operator.tuning.observe import parse_scrape
-from iterserve.server.bench.workload import words_prompt
 from tests.server_support import InProcessServer, metric_value
 from tests.waiting import wait_until
 

@@ -36,7 +36,7 @@ def engine(json_model):
 
 
 def run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
-    ids = [engine.add_request(prompt_token_ids=p, sampling_params=sp) for p, sp in zip(prompts, params)]
+    ids = [engine.add_request(prompt_token_ids=p, sampling_params=sp) for p, sp in zip(prompts, params, strict=True)]
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -151,7 +151,7 @@ def test_requests_without_a_grammar_are_unchanged_by_batch_mates_with_one(json_m
     _, without = _mixed_batch(8, with_grammar=False)
     mixed = run(make_engine(json_model, max_num_seqs=8), prompts, with_grammar)
     plain = run(make_engine(json_model, max_num_seqs=8), prompts, without)
-    for i, (a, b) in enumerate(zip(mixed, plain)):
+    for i, (a, b) in enumerate(zip(mixed, plain, strict=True)):
         if i % 2:
             assert a.token_ids == b.token_ids
         else:
@@ -163,7 +163,7 @@ def test_grammars_through_preemption_and_chunked_prefill(json_model):
     """Greedy grammar requests in a pool too small for all of them (preempted, recomputed) and in small
     prefill chunks give the tokens they give alone, and valid JSON."""
     prompts, params = _mixed_batch(8, with_grammar=True)
-    alone = [run(make_engine(json_model), [p], [sp])[0] for p, sp in zip(prompts, params)]
+    alone = [run(make_engine(json_model), [p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
     # 512 B a token: 14 blocks of 16 tokens for 8 requests of up to 68 + 120 tokens
     crowded = make_engine(json_model, kv_cache_memory=14 * 16 * 512, max_model_len=200, max_num_seqs=8,
                           prefill_chunk_size=7, max_num_batched_tokens=16)

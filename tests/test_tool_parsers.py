@@ -128,7 +128,7 @@ def test_streamed_deltas_join_to_the_whole_message(case, cuts):
     plan, text = case
     whole, finish = message(plan, text, "stop")
     bounds = [0] + sorted(set(c for c in cuts if c < len(text))) + [len(text)]
-    deltas, stream = streamed(plan, [text[a:b] for a, b in zip(bounds, bounds[1:])])
+    deltas, stream = streamed(plan, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
     content, calls = reassemble(deltas)
     assert calls == [c["function"] for c in whole.get("tool_calls", [])]
     assert (content if content.strip() or not calls else None) == whole["content"]

@@ -198,7 +198,7 @@ def test_any_text_cut_anywhere_joins_to_the_whole_message(case, cuts, parallel):
     plan = auto(parser, parallel)
     whole, finish = message(plan, text, "stop")
     bounds = [0] + sorted(set(c for c in cuts if c < len(text))) + [len(text)]
-    for pieces in ([text[a:b] for a, b in zip(bounds, bounds[1:])], list(text)):
+    for pieces in ([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], list(text)):
         deltas, stream = streamed(plan, pieces)
         content, calls = reassemble(deltas)
         assert calls == [c["function"] for c in whole.get("tool_calls", [])]

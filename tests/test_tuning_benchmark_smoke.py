@@ -23,8 +23,8 @@ from benchmarks.tuning_report import (
     verdict,
 )
 from benchmarks.tuning_runs import convergence_s, within_one_step
+from iterserve.bench.client import RequestRecord
 from iterserve.operator.tuning.policy import TuningPolicy
-from iterserve.server.bench.client import RequestRecord
 
 POLICY = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100)  # seqs_step 2, back-off x0.5, chunk factor 2
 
@@ -166,7 +166,7 @@ def test_repeats_fold_into_medians_and_the_verdict_pairs_rounds():
     assert folded["load_average"] == [0.5, 2.5] and folded["repeats"] == runs and "requests" not in folded
     tuned_runs = [run(16, g, 0.9, windows_within_slo_after_convergence=a, convergence_s=c)
                   for g, a, c in ((33, 1.0, 40.0), (22, 0.9, None), (27, 0.95, 20.0))]
-    rounds = [{"grid": [s, o], "tuned": t} for s, o, t in zip(runs, [run(64, 10, 0.5)] * 3, tuned_runs)]
+    rounds = [{"grid": [s, o], "tuned": t} for s, o, t in zip(runs, [run(64, 10, 0.5)] * 3, tuned_runs, strict=True)]
     tuned = fold_repeats(tuned_runs)
     assert tuned["windows_within_slo_after_convergence"] == 0.95 and tuned["convergence_s"] == 30.0
     v = verdict(tuned, [folded, fold_repeats([r["grid"][1] for r in rounds])], rounds)

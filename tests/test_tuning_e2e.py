@@ -24,9 +24,9 @@ import statistics
 import httpx
 import pytest
 
+from iterserve.bench.load import BenchConfig, run_bench
+from iterserve.bench.workload import WorkloadSpec, parse_length
 from iterserve.operator.tuning.pod_admin import get_scheduler
-from iterserve.server.bench.load import BenchConfig, run_bench
-from iterserve.server.bench.workload import WorkloadSpec, parse_length
 from tests.kubelet_standin import LocalKubelet
 from tests.operator_support import (
     TIMEOUT,
@@ -75,7 +75,7 @@ def table_row(kubectl_output: str) -> dict[str, str]:
     names = header.split()
     starts = [header.index(" " + name) + 1 if i else 0 for i, name in enumerate(names)]
     ends = starts[1:] + [None]
-    return {name: row[start:end].strip() for name, start, end in zip(names, starts, ends)}
+    return {name: row[start:end].strip() for name, start, end in zip(names, starts, ends, strict=True)}
 
 
 def request_seconds(url: str) -> float:

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from iterserve.bench.load import BenchConfig, run_bench
+from iterserve.bench.workload import WorkloadSpec, parse_length
 from iterserve.operator.tuning.decide import BACK_OFF_SEQS, RAISE_SEQS
 from iterserve.operator.tuning.histograms import histogram_quantile
 from iterserve.operator.tuning.knobs import Knobs
@@ -23,8 +25,6 @@ from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.prometheus import PrometheusSource
 from iterserve.operator.tuning.tuner import Tuner
-from iterserve.server.bench.load import BenchConfig, run_bench
-from iterserve.server.bench.workload import WorkloadSpec, parse_length
 from tests.prometheus_support import require_prometheus, start_prometheus
 from tests.server_support import start_subprocess
 

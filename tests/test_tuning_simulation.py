@@ -52,8 +52,8 @@ def meeting_settings(model: LatencyModel, rate: float, policy=POLICY) -> list[Kn
 
 
 def direction_changes(values: list[int]) -> int:
-    steps = [b - a for a, b in zip(values, values[1:]) if b != a]
-    return sum(1 for x, y in zip(steps, steps[1:]) if (x > 0) != (y > 0))
+    steps = [b - a for a, b in zip(values, values[1:], strict=False) if b != a]
+    return sum(1 for x, y in zip(steps, steps[1:], strict=False) if (x > 0) != (y > 0))
 
 
 def assert_in_bounds(ticks: list[Tick], policy=POLICY) -> None:
@@ -76,7 +76,7 @@ def test_step_up_then_step_down_converges_to_slo_meeting_knobs(seed):
     for rate, _ in phases:
         assert meeting_settings(model, rate), f"the scenario needs a feasible setting at rate {rate}"
     runs = simulate(model, phases)
-    for (rate, _), ticks in zip(phases, runs):
+    for (rate, _), ticks in zip(phases, runs, strict=True):
         assert_in_bounds(ticks)
         assert_settled(ticks)
         last = ticks[-1].decision

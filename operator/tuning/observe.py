@@ -96,7 +96,7 @@ class _Deltas:
 
 def pod_deltas(scrapes: Sequence[PodScrape]) -> _Deltas:
     out = _Deltas(elapsed=scrapes[-1].t - scrapes[0].t if scrapes else 0.0)
-    for prev, cur in zip(scrapes, scrapes[1:]):
+    for prev, cur in zip(scrapes, scrapes[1:], strict=False):
         base = PodScrape(prev.t) if cur.went_down_since(prev) else prev
         for name, value in cur.counters.items():
             out.counters[name] = out.counters.get(name, 0.0) + value - base.counters.get(name, 0.0)
@@ -183,7 +183,7 @@ class PodScraper:
             return errors
         with ThreadPoolExecutor(min(self.max_workers, len(pod_urls))) as pool:
             results = list(pool.map(self._scrape, pod_urls))
-        for url, (text, error) in zip(pod_urls, results):
+        for url, (text, error) in zip(pod_urls, results, strict=True):
             if error is not None:
                 errors.append(f"{url}/metrics: {error}")
             else:

@@ -120,7 +120,7 @@ class Tick:
         was higher than the one before, the last is at least half a request per pod and the growth is at
         least `queue_growth` of the completions (arrivals outrun the fleet, not a noisy gauge); else None."""
         q, p = self.queue, self.policy
-        if (len(q) < p.queue_windows or any(b[1] <= a[1] for a, b in zip(q, q[1:]))
+        if (len(q) < p.queue_windows or any(b[1] <= a[1] for a, b in zip(q, q[1:], strict=False))
                 or q[-1][1] < max(1.0, 0.5 * self.n)):
             return None
         growth = (q[-1][1] - q[0][1]) / max(q[-1][0] - q[0][0], 1e-9)

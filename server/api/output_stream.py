@@ -114,7 +114,7 @@ async def merged_outputs(engine, choices, queues: list[asyncio.Queue], max_buffe
         except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
             buffer.put(choice.index, e)
 
-    tasks = [asyncio.create_task(pump(c, q)) for c, q in zip(choices, queues)]
+    tasks = [asyncio.create_task(pump(c, q)) for c, q in zip(choices, queues, strict=True)]
     try:
         remaining = len(tasks)
         while remaining:

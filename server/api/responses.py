@@ -56,8 +56,10 @@ def completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float
         offsets.append(at)
         at += len(t)
     tops = []
-    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-        alternatives = dict(zip(_token_texts(state, [a for a, _ in top[i]]), [v for _, v in top[i]])) if top else {}
+    for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        alternatives = {}
+        if top:
+            alternatives = dict(zip(_token_texts(state, [a for a, _ in top[i]]), [v for _, v in top[i]], strict=True))
         tops.append({**alternatives, t: lp})
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
 
@@ -67,10 +69,10 @@ def chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float] | No
     if logprobs is None:
         return None
     content = []
-    for i, (t, lp) in enumerate(zip(_token_texts(state, ids), logprobs)):
+    for i, (t, lp) in enumerate(zip(_token_texts(state, ids), logprobs, strict=True)):
         alternatives = []
         if top:
-            for text, (_, value) in zip(_token_texts(state, [a for a, _ in top[i]]), top[i]):
+            for text, (_, value) in zip(_token_texts(state, [a for a, _ in top[i]]), top[i], strict=True):
                 alternatives.append({"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))})
         content.append({"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": alternatives})
     return {"content": content}

@@ -80,7 +80,7 @@ def plan_tools(req, chat_template: str | None, parser_setting: str = "auto") -> 
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, schema in zip(names, schemas)]
+                 for name, schema in zip(names, schemas, strict=True)]
         array = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if not req.parallel_tool_calls:
             array["maxItems"] = 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from iterserve.bench import cli as bench_cli
 from iterserve.operator import cli as operator_cli
 from iterserve.router import cli as router_cli
-from iterserve.server.bench import cli as bench_cli
 from iterserve.server.entrypoints import extras, generate_cmd, serve_cmd
 
 

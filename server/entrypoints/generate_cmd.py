@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     except (InvalidRequestError, FileNotFoundError, ValueError) as e:
         print(f"iterserve generate: error: {e}", file=sys.stderr)
         return 2
-    for item, out in zip(items, outputs):
+    for item, out in zip(items, outputs, strict=True):
         if args.json:
             print(json.dumps({
                 "prompt": item["prompt"],

@@ -42,7 +42,7 @@ class LLM:
         params = _per_request(sampling_params, len(inputs), "sampling_params") or [SamplingParams()] * len(inputs)
         priorities = _per_request(priority, len(inputs), "priority") or [0] * len(inputs)
         requests = []
-        for i, ((text, token_ids), p, prio) in enumerate(zip(inputs, params, priorities)):
+        for i, ((text, token_ids), p, prio) in enumerate(zip(inputs, params, priorities, strict=True)):
             try:
                 requests.append(self.engine.make_request(text, p, prompt_token_ids=token_ids, priority=prio))
             except InvalidRequestError as e:

@@ -48,9 +48,9 @@ def _merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tu
     """Every split of a mergeable piece into two pieces of the vocabulary, best-scored piece first
     (ties by the parts' ids, so the order is deterministic)."""
     ids = {token: i for i, token in enumerate(tokens)}
-    mergeable = {t for t, kind in zip(tokens, types) if kind in (_NORMAL, _UNUSED)}
+    mergeable = {t for t, kind in zip(tokens, types, strict=True) if kind in (_NORMAL, _UNUSED)}
     ranked = []
-    for token, score, kind in zip(tokens, scores, types):
+    for token, score, kind in zip(tokens, scores, types, strict=True):
         if kind not in (_NORMAL, _UNUSED):
             continue
         for cut in range(1, len(token)):

@@ -159,14 +159,12 @@ def _from_gguf(path: str) -> Tokenizer:
         backend = _byte_level_backend(reader, tokens, path)
     else:
         backend = sentencepiece_backend(reader, tokens, path)
-    # Control tokens (<|im_start|>...) must match whole in text, not be split into bytes.
+    # Control tokens (<|im_start|>...) must match whole in text, not be split into bytes. A vocabulary
+    # without token types has neither kind: the empty list ends the zip (strict=False).
     token_types = metadata(reader, "tokenizer.ggml.token_type") or []
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == _CONTROL]
-    )
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == _USER_DEFINED]
-    )
+    typed = list(zip(tokens, token_types, strict=False))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
 
     def token(key: str) -> str | None:
         index = metadata(reader, f"tokenizer.ggml.{key}")

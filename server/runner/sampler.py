@@ -48,7 +48,7 @@ def sample(logits: torch.Tensor, request_ids: list[str], params: list[SamplingPa
         rows = torch.tensor(wanted)
         all_lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[rows], dim=-1)
         lp = all_lp.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)
-        for i, value in zip(wanted, lp.tolist()):
+        for i, value in zip(wanted, lp.tolist(), strict=True):
             logprobs[request_ids[i]] = value
         k = max(params[i].top_logprobs for i in wanted)
         if k:
@@ -56,8 +56,8 @@ def sample(logits: torch.Tensor, request_ids: list[str], params: list[SamplingPa
             for row, i in enumerate(wanted):
                 n = params[i].top_logprobs
                 if n:
-                    top[request_ids[i]] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
-    return ModelRunnerOutput(dict(zip(request_ids, chosen)), logprobs, top)
+                    top[request_ids[i]] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist(), strict=True))
+    return ModelRunnerOutput(dict(zip(request_ids, chosen, strict=True)), logprobs, top)
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

@@ -25,10 +25,10 @@ def _pack(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
         offsets.append(total)
         total += -(-a.size // 4) * 4
     flat = np.zeros(total, dtype=np.int32)
-    for a, offset in zip(arrays, offsets):
+    for a, offset in zip(arrays, offsets, strict=True):
         flat[offset:offset + a.size] = a.ravel()
     packed = torch.from_numpy(flat).to(device)
-    return [packed[offset:offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
+    return [packed[offset:offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets, strict=True)]
 
 
 @dataclass

@@ -3,8 +3,8 @@ sweeps over either. This is also the Python API other tools (the operator's tune
 load::
 
     import threading
-    from iterserve.server.bench.load import BenchConfig, run_bench
-    from iterserve.server.bench.workload import WorkloadSpec, parse_length
+    from iterserve.bench.load import BenchConfig, run_bench
+    from iterserve.bench.workload import WorkloadSpec, parse_length
 
     config = BenchConfig(url="http://127.0.0.1:8000", rate=4.0, num_requests=None, duration_s=60,
                          workload=WorkloadSpec("random", output_len=parse_length("32")))
@@ -16,7 +16,9 @@ load::
 
 `num_requests=None` sends until `duration_s` passes (in-flight requests then finish) or `stop` is set.
 Every request comes from the seeded workload, and open-loop arrival gaps from the seed + 1, so two runs
-with the same configuration send the same requests at the same offsets.
+with the same configuration send the same requests at the same offsets. The loop decides only when each
+request goes; a `RequestSender` sends it and records what happened (`BenchConfig.sender`; by default
+`HttpSender`, OpenAI's streaming HTTP API).
 """
 
 from __future__ import annotations
@@ -27,25 +29,37 @@ import math
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Protocol
 
 import httpx
 
-from iterserve.server.bench.client import (
-    BenchError,
-    RequestRecord,
-    Target,
-    fetch_models,
-    probe_target,
-    run_clock,
-    stream_request,
-)
-from iterserve.server.bench.metrics_scraper import MetricsScraper, knob_values, summarize_scrapes
-from iterserve.server.bench.result import BenchResult, RunResult
-from iterserve.server.bench.workload import RequestSpec, WorkloadSpec, generate_requests
+from iterserve.bench.client import BenchError, HttpSender, RequestRecord, Target, run_clock
+from iterserve.bench.metrics_scraper import MetricsScraper, knob_values, summarize_scrapes
+from iterserve.bench.result import BenchResult, RunResult
+from iterserve.bench.workload import RequestSpec, WorkloadSpec, generate_requests
 
 SWEEP_PARAMS = ("concurrency", "rate")
 FINISHED = "vllm:request_success_total"  # summed over finished_reason
+
+
+class RequestSender(Protocol):
+    """What the load loop needs of the thing that sends its requests (`HttpSender`: OpenAI's streaming
+    HTTP API; the tests' recording sender): the server's models, a probe settling which request features
+    the server takes, and one request sent and recorded. Each call runs in the load loop's event loop;
+    the loop alone decides when requests go and how many are in flight."""
+
+    async def models(self, url: str, api_key: str | None) -> list[dict]:
+        """OpenAI's /v1/models entries ("id", optionally "max_model_len"); BenchError when unreachable."""
+
+    async def probe(self, target: Target, spec: RequestSpec) -> Target:
+        """`target` with each optional feature the server refuses turned off, found with 1-token requests;
+        BenchError when the server takes no request shape at all."""
+
+    async def send(self, target: Target, spec: RequestSpec, record: RequestRecord, t0: float,
+                   timeout: float) -> None:
+        """Send `spec`, filling `record` (times: seconds since `t0`, perf_counter) as it is answered; a
+        failure is recorded, not raised. Raises only CancelledError, after recording the cancellation."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class BenchConfig:
     slo_ms: dict[str, float] = field(default_factory=dict)
     settings: dict[str, str] = field(default_factory=dict)  # declared by the user, e.g. policy=static
     temperature: float = 0.0
+    sender: RequestSender | None = None  # None: an HttpSender over the run's own connection pool
 
     def __post_init__(self):
         object.__setattr__(self, "url", self.url.rstrip("/"))
@@ -103,7 +118,12 @@ class BenchConfig:
         return [{"rate": json_number(float(v)), "burstiness": self.burstiness} for v in values]
 
     def describe(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("workload", "api_key", "admin_token")}
+        # not asdict(): it would deep-copy the sender (a connection pool, an engine)
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("workload", "api_key", "admin_token", "sender")}
+        d["slo_ms"], d["settings"] = dict(self.slo_ms), dict(self.settings)
+        if self.sender is not None:  # the default (HTTP) is not written, as before the seam existed
+            d["sender"] = type(self.sender).__name__
         d["workload"] = self.workload.describe()
         d["sweep"] = [json_number(v) for v in self.sweep]
         d["rate"] = json_number(self.rate)
@@ -140,22 +160,23 @@ async def arun_bench(config: BenchConfig, stop: threading.Event | None = None,
     result.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(config.timeout_s, connect=10)) as client:
-        target, workload = await _prepare(client, config, result)
+        sender: RequestSender = config.sender or HttpSender(client)
+        target, workload = await _prepare(client, sender, config, result)
         for load in config.loads():
             label = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in load.items() if k != "burstiness")
             run = RunResult(label=label, load=load)
             result.runs.append(run)
-            await _run_level(client, config, target, workload, run, stop, progress)
+            await _run_level(client, sender, config, target, workload, run, stop, progress)
             if stop.is_set():
                 result.interrupted = run.interrupted = True
                 break
     return result
 
 
-async def _prepare(client: httpx.AsyncClient, config: BenchConfig, result: BenchResult
+async def _prepare(client: httpx.AsyncClient, sender: RequestSender, config: BenchConfig, result: BenchResult
                    ) -> tuple[Target, WorkloadSpec]:
-    models = await fetch_models(client, config.url, config.api_key)
+    models = await sender.models(config.url, config.api_key)
     if not models and config.model is None:
         raise BenchError(f"{config.url}/v1/models lists no model; pass --model")
     model = config.model or models[0]["id"]
@@ -167,7 +188,7 @@ async def _prepare(client: httpx.AsyncClient, config: BenchConfig, result: Bench
                     ignore_eos=workload.ignore_eos, temperature=config.temperature)
     scraper = MetricsScraper(client, config.url, time.perf_counter())
     await scraper.scrape()
-    target = await probe_target(client, target, next(generate_requests(workload, 1)))
+    target = await sender.probe(target, next(generate_requests(workload, 1)))
     if scraper.available:  # let the probe's own metrics land before the first run's "before" scrape
         await _scrape_when_counted(scraper, num_answered=1)
     scrape = scraper.scrapes[-1] if scraper.scrapes else None
@@ -200,8 +221,8 @@ async def _admin_knobs(client: httpx.AsyncClient, config: BenchConfig, result: B
     return {}
 
 
-async def _run_level(client, config: BenchConfig, target: Target, workload: WorkloadSpec, run: RunResult,
-                     stop: threading.Event, progress: Progress) -> None:
+async def _run_level(client: httpx.AsyncClient, sender: RequestSender, config: BenchConfig, target: Target,
+                     workload: WorkloadSpec, run: RunResult, stop: threading.Event, progress: Progress) -> None:
     t0 = time.perf_counter()
     now = run_clock(t0)
     scraper = MetricsScraper(client, config.url, t0, config.metrics_interval_s)
@@ -218,7 +239,7 @@ async def _run_level(client, config: BenchConfig, target: Target, workload: Work
                                input_len=spec.input_len)
         run.records.append(record)
         try:
-            await stream_request(client, target, spec, record, t0, config.timeout_s)
+            await sender.send(target, spec, record, t0, config.timeout_s)
         finally:
             progress.finish_request(record)
 

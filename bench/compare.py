@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from iterserve.server.bench.result import BenchResult
+from iterserve.bench.result import BenchResult
 
 if TYPE_CHECKING:  # rich is imported where the table is drawn
     from rich.console import JustifyMethod
@@ -77,7 +77,7 @@ def ratio(va, vb) -> float | None:
 def rows(a: BenchResult, b: BenchResult) -> list[tuple[str, str, object, object, float | None, str]]:
     """(load level, figure, A, B, B/A, which is better) for every figure both runs have."""
     out = []
-    for run_a, run_b in zip(a.runs, b.runs):
+    for run_a, run_b in zip(a.runs, b.runs, strict=False):
         ja, jb = run_a.to_json(a.slo), run_b.to_json(b.slo)
         level = run_a.label if run_a.label == run_b.label else f"{run_a.label} | {run_b.label}"
         for label, path, higher_better in FIGURES:

@@ -11,8 +11,8 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from iterserve.server.bench import report  # noqa: E402
-from iterserve.server.bench.result import BenchResult, RunResult  # noqa: E402
+from iterserve.bench import report  # noqa: E402
+from iterserve.bench.result import BenchResult, RunResult  # noqa: E402
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end-to-end latency"))
 MAX_TIMELINE_ROWS = 8
@@ -30,7 +30,7 @@ def _latencies_ms(run: RunResult, metric: str) -> np.ndarray:
 
 def plot_latency_cdfs(result: BenchResult, path: Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (metric, title) in zip(axes.flat, METRICS):
+    for ax, (metric, title) in zip(axes.flat, METRICS, strict=True):
         for run in result.runs:
             ms = _latencies_ms(run, metric)
             if ms.size:
@@ -48,7 +48,7 @@ def plot_latency_cdfs(result: BenchResult, path: Path) -> Path:
 def plot_timeline(result: BenchResult, path: Path) -> Path:
     runs = result.runs[:MAX_TIMELINE_ROWS]
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False)
-    for ax, run in zip(axes[:, 0], runs):
+    for ax, run in zip(axes[:, 0], runs, strict=True):
         ok = [r for r in run.records if r.ok]
         itl_t = [b for r in ok for b in r.chunk_times[1:]]
         itl_ms = [1000 * g for r in ok for g in report.itls(r)]
@@ -62,7 +62,7 @@ def plot_timeline(result: BenchResult, path: Path) -> Path:
         series = (run.server or {}).get("series", {}).get("vllm:kv_cache_usage_perc")
         if series:
             kv = ax.twinx()
-            t, v = zip(*series)
+            t, v = zip(*series, strict=True)
             kv.plot(t, [100 * x for x in v], color="tab:green", linewidth=1.2, label="KV cache usage")
             kv.set(ylabel="KV usage %", ylim=(0, 105))
             kv.legend(loc="upper right", fontsize=8)
@@ -78,12 +78,12 @@ def plot_sweep(results: list[tuple[str, BenchResult]], path: Path) -> Path:
     for name, result in results:
         summaries = [(run.label, run.summary(result.slo)) for run in result.runs]
         x = [s["output_throughput"] for _, s in summaries]
-        for ax, key in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms")):
+        for ax, key in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms"), strict=True):
             y = [s[key]["p99"] if s[key]["p99"] is not None else np.nan for _, s in summaries]
             ax.plot(x, y, marker="o", label=name)
-            for (label, _), xi, yi in zip(summaries, x, y):
+            for (label, _), xi, yi in zip(summaries, x, y, strict=True):
                 ax.annotate(label.split("=")[-1], (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    for ax, title in zip(axes, ("p99 TTFT", "p99 ITL", "p99 end-to-end")):
+    for ax, title in zip(axes, ("p99 TTFT", "p99 ITL", "p99 end-to-end"), strict=True):
         ax.set(xlabel="output tokens/s", ylabel="ms", title=title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

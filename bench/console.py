@@ -20,9 +20,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, Tim
 from rich.progress import Progress as RichBar
 from rich.table import Table
 
-from iterserve.server.bench.client import BenchError, RequestRecord
-from iterserve.server.bench.load import BenchConfig, Progress, arun_bench
-from iterserve.server.bench.result import BenchResult
+from iterserve.bench.client import BenchError, RequestRecord
+from iterserve.bench.load import BenchConfig, Progress, arun_bench
+from iterserve.bench.result import BenchResult
 
 
 class BarProgress(Progress):
@@ -104,7 +104,7 @@ def run_cli(config: BenchConfig, out_dir: Path, *, plots: bool = True, progress:
 
 
 def _write_plots(result: BenchResult, out_dir: Path) -> None:
-    from iterserve.server.bench.plots import write_plots
+    from iterserve.bench.plots import write_plots
 
     try:
         for p in write_plots(result, out_dir):

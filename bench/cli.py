@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from iterserve.server.bench.workload import SHAPES  # stdlib only: cheap to import
+from iterserve.bench.workload import SHAPES  # stdlib only: cheap to import
 
 
 def register(sub) -> None:
@@ -79,9 +79,9 @@ def _fail(message: str) -> int:
 
 def config_from_args(args: argparse.Namespace):
     """BenchConfig from the command line; ValueError (incl. WorkloadError) names the option."""
-    from iterserve.server.bench.load import SWEEP_PARAMS, BenchConfig
-    from iterserve.server.bench.report import parse_slo
-    from iterserve.server.bench.workload import WorkloadSpec, parse_length
+    from iterserve.bench.load import SWEEP_PARAMS, BenchConfig
+    from iterserve.bench.report import parse_slo
+    from iterserve.bench.workload import WorkloadSpec, parse_length
 
     if not args.url or not args.out:
         raise ValueError("--url and --out are required")
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as e:
         return _fail(str(e))
-    from iterserve.server.bench.console import run_cli
+    from iterserve.bench.console import run_cli
 
     return run_cli(config, Path(args.out), plots=not args.no_plots, progress=not args.no_progress)
 
@@ -149,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from iterserve.server.bench.compare import render
-    from iterserve.server.bench.result import load_result
+    from iterserve.bench.compare import render
+    from iterserve.bench.result import load_result
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in (args.a, args.b)]
     try:
@@ -159,7 +159,7 @@ def run_compare(args: argparse.Namespace) -> int:
         return _fail(str(e))
     render(a, b, args.name_a or str(paths[0]), args.name_b or str(paths[1]), Console(width=140))
     if args.plot:
-        from iterserve.server.bench.plots import plot_sweep
+        from iterserve.bench.plots import plot_sweep
 
         plot_sweep([(args.name_a or "A", a), (args.name_b or "B", b)], Path(args.plot))
         print(f"wrote {args.plot}")

@@ -4,7 +4,8 @@ Tokens are counted from the stream itself. With `stream_options.continuous_usage
 iterserve) every chunk carries the running `usage.completion_tokens`, so a chunk that holds two tokens
 counts two; without it each chunk with text counts one and the final `usage` (`include_usage`) fixes
 the total. `probe_target` finds out, with one 1-token request, which of token-id prompts,
-`ignore_eos` and continuous usage the server accepts, dropping each one it refuses by name.
+`ignore_eos` and continuous usage the server accepts, dropping each one it refuses by name. `HttpSender`
+puts the three behind the load loop's `RequestSender` seam (load.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from iterserve.server.bench.workload import RequestSpec
+from iterserve.bench.workload import RequestSpec
 
 ERROR_KINDS = ("http", "stream", "timeout", "connection", "protocol", "cancelled")
 
@@ -232,3 +233,22 @@ async def probe_target(client: httpx.AsyncClient, target: Target, spec: RequestS
         off: dict[str, Any] = {refused[0]: False}
         target = replace(target, **off)
     raise BenchError(f"{target.url}{target.path} refused every request shape tried")
+
+
+class HttpSender:
+    """The `RequestSender` (load.py) of `iterserve bench`: OpenAI's streaming HTTP API through one httpx
+    connection pool, which its owner opens and closes in the run's event loop (the load loop shares it
+    with its /metrics scrapes)."""
+
+    def __init__(self, client: httpx.AsyncClient):
+        self.client = client
+
+    async def models(self, url: str, api_key: str | None) -> list[dict]:
+        return await fetch_models(self.client, url, api_key)
+
+    async def probe(self, target: Target, spec: RequestSpec) -> Target:
+        return await probe_target(self.client, target, spec)
+
+    async def send(self, target: Target, spec: RequestSpec, record: RequestRecord, t0: float,
+                   timeout: float) -> None:
+        await stream_request(self.client, target, spec, record, t0, timeout)

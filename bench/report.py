@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from iterserve.server.bench.client import RequestRecord
+from iterserve.bench.client import RequestRecord
 
 QUANTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "tpot", "itl", "e2e")
@@ -31,7 +31,7 @@ def e2e(r: RequestRecord) -> float | None:
 
 
 def itls(r: RequestRecord) -> list[float]:
-    return [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    return [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
 
 
 def tpot(r: RequestRecord) -> float | None:

@@ -46,7 +46,7 @@ class SharedPrefixWorkload:
 
     def _segment(self, n: int, key: tuple) -> tuple[list[int], str]:
         """`n` seeded token ids and a text of about (with a tokenizer: exactly) as many tokens."""
-        from iterserve.server.bench.workload import exact_text_prompt, words_prompt
+        from iterserve.bench.workload import exact_text_prompt, words_prompt
 
         seed = int.from_bytes(hashlib.blake2b(repr((self.spec.seed, *key)).encode(), digest_size=4).digest(), "little")
         rng = random.Random(seed)
@@ -59,7 +59,7 @@ class SharedPrefixWorkload:
         return _Conversation(number, ids, [{"role": "system", "content": text}], texts=[text])
 
     def system_prompt_request(self, index: int, rng: random.Random, input_len: int, output_len: int):
-        from iterserve.server.bench.workload import RequestSpec
+        from iterserve.bench.workload import RequestSpec
 
         ids, text = self.system_prompts[rng.randrange(len(self.system_prompts))]
         q_ids, q_text = self._segment(input_len, ("question", index))
@@ -68,7 +68,7 @@ class SharedPrefixWorkload:
                            messages=[{"role": "system", "content": text}, {"role": "user", "content": q_text}])
 
     def turn_request(self, index: int, input_len: int, output_len: int):
-        from iterserve.server.bench.workload import RequestSpec
+        from iterserve.bench.workload import RequestSpec
 
         slot = self.turn_at
         self.turn_at = (self.turn_at + 1) % len(self.conversations)
@@ -95,7 +95,7 @@ class SharedPrefixWorkload:
 
 def generate_shared(spec, classes, counter, rng: random.Random, tokenizer) -> Iterator:
     """The requests of a shared-prefix shape (`classes`: its PRESETS entry)."""
-    from iterserve.server.bench.workload import RequestSpec, _clip, exact_text_prompt
+    from iterserve.bench.workload import RequestSpec, _clip, exact_text_prompt
 
     workload = SharedPrefixWorkload(spec, tokenizer)
     weights = [share for _, share, _, _ in classes]

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from iterserve.server.bench.client import RequestRecord
-from iterserve.server.bench.report import summarize
+from iterserve.bench.client import RequestRecord
+from iterserve.bench.report import summarize
 
 FORMAT_VERSION = 1
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from iterserve.server.bench.shared_prefix import SHARED_SHAPES, generate_shared
+from iterserve.bench.shared_prefix import SHARED_SHAPES, generate_shared
 
 DEFAULT_TOKEN_RANGE = (32, 127)  # [lo, hi): ASCII punctuation and letters in byte-level vocabularies
 WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be or has had "
