@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim  # noqa: E402
+from iterserve.common.wire import Knobs  # noqa: E402
 from iterserve.operator.tuning.decide import TunerState, decide  # noqa: E402
-from iterserve.operator.tuning.knobs import Knobs  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.policy import TuningPolicy  # noqa: E402
 from iterserve.operator.tuning.reading import read  # noqa: E402

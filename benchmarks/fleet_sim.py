@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from iterserve.operator.tuning.knobs import Knobs
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.observation import Observation
 from tests.tuning_latency_model import LatencyModel
 

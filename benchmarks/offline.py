@@ -71,7 +71,7 @@ def kv_waste_by_block_size(prompt_lens: list[int], output_lens: list[int], max_n
                            block_sizes=(8, 16, 32)) -> dict[int, float]:
     """KV waste of the same schedule at other block sizes: the schedule depends only on token counts
     (ignore_eos), so a model-free engine replays it exactly."""
-    from iterserve.server.engine.knobs import SchedulerKnobs
+    from iterserve.common.wire import Knobs
     from iterserve.server.engine.llm_engine import LLMEngine
     from iterserve.server.runner.null_runner import NullModelRunner
 
@@ -79,7 +79,7 @@ def kv_waste_by_block_size(prompt_lens: list[int], output_lens: list[int], max_n
     for bs in block_sizes:
         engine = LLMEngine(NullModelRunner(bs, prepare_inputs=False), tokenizer=None, max_model_len=8192,
                            num_blocks=2**20 // bs, block_size=bs,
-                           knobs=SchedulerKnobs(max_num_seqs=max_num_seqs), vocab_size=1000)
+                           knobs=Knobs(max_num_seqs=max_num_seqs), vocab_size=1000)
         for p, n in zip(prompt_lens, output_lens, strict=True):
             engine.add_request(prompt_token_ids=[1] * p,
                                sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))

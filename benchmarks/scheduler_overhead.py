@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from iterserve.server.engine.knobs import SchedulerKnobs
+from iterserve.common.wire import Knobs
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.runner.null_runner import NullModelRunner
@@ -25,7 +25,7 @@ from iterserve.server.runner.step_inputs import prepare_step_inputs
 def measure_overhead(num_running: int = 256, steps: int = 300, block_size: int = 16) -> dict:
     runner = NullModelRunner(block_size, vocab_size=49152, prepare_inputs=False)
     engine = LLMEngine(runner, tokenizer=None, max_model_len=4096, num_blocks=num_running * 64,
-                       block_size=block_size, knobs=SchedulerKnobs(num_running, 32 * num_running, 32),
+                       block_size=block_size, knobs=Knobs(num_running, 32 * num_running, 32),
                        vocab_size=49152)
     params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
     for i in range(num_running):

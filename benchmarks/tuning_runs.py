@@ -26,8 +26,8 @@ import httpx
 from benchmarks.tuning_load import StepLoad, find_target, send_load
 from iterserve.bench.client import RequestRecord, stream_request
 from iterserve.bench.report import itls
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.decide import HOLD
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import RUNNING, WAITING
 from iterserve.operator.tuning.observe import PodScraper, parse_scrape
 from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler

@@ -4,6 +4,7 @@ the tuner reads. Standard library only, so each side imports it without the othe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 HTTP_PORT = 8000  # OpenAI API, /metrics, /health, /ready
@@ -46,6 +47,63 @@ KNOBS = (
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 KNOB_DEFAULTS = {k.name: k.default for k in KNOBS}
 KNOB_CAMEL = {k.name: k.camel for k in KNOBS}
+
+
+class KnobError(ValueError):
+    """A knob value out of range, or a name that is no knob. `param` names it: the server answers with it
+    as OpenAI's `param` (InvalidRequestError), the operator reports it in a condition."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True, order=True)
+class Knobs:
+    """A value of the three live knobs, validated: what the scheduler reads each step, what a PATCH of
+    /admin/scheduler sets, and what the operator's tuner decides. Frozen, so a change replaces it whole."""
+
+    max_num_seqs: int = KNOB_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = KNOB_DEFAULTS["max_num_batched_tokens"]
+    prefill_chunk_size: int = KNOB_DEFAULTS["prefill_chunk_size"]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KnobError(f.name, f"must be an integer >= 1, got {value!r}")
+
+    def as_dict(self) -> dict[str, int]:
+        """snake_case, as the server's flags and PATCH /admin/scheduler take them."""
+        return dataclasses.asdict(self)
+
+    def as_camel(self) -> dict[str, int]:
+        """camelCase, as the LLMService spec and status spell them."""
+        return {KNOB_CAMEL[k]: v for k, v in self.as_dict().items()}
+
+    def replace(self, **changes: int) -> Knobs:
+        """These knobs with `changes` (snake_case), validated; KnobError names an unknown one."""
+        unknown = set(changes) - set(KNOB_NAMES)
+        if unknown:
+            raise KnobError(sorted(unknown)[0], "unknown scheduler knob")
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        return (f"max_num_seqs={self.max_num_seqs}, prefill_chunk_size={self.prefill_chunk_size}, "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, int]) -> Knobs:
+        """From snake_case or camelCase keys (unknown keys are an error, missing ones take the defaults)."""
+        snake = {v: k for k, v in KNOB_CAMEL.items()}
+        out = {}
+        for key, value in values.items():
+            name = key if key in KNOB_CAMEL else snake.get(key)
+            if name is None:
+                raise KnobError(key, f"not a scheduler knob (expected one of {', '.join(KNOB_CAMEL)})")
+            out[name] = value
+        return cls(**out)
 
 # The metrics the tuner reads from each pod's /metrics (or Prometheus), as the server exports them
 TTFT = "vllm:time_to_first_token_seconds"

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
 
+from iterserve.common.wire import Knobs
 from iterserve.operator.background import STOPPED, detach, unless_stopped
 from iterserve.operator.builders.configmap import knobs_from_configmap
 from iterserve.operator.builders.labels import knobs_configmap_name
@@ -39,7 +40,6 @@ from iterserve.operator.scaling_loop import Autoscaler
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import TUNING_OFF_MESSAGE
 from iterserve.operator.tuning.decide import HOLD
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import MetricsSource
 from iterserve.operator.tuning.observe import PodScraper
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics

@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 
 from iterserve.common import wire
-from iterserve.server.engine.knobs import SchedulerKnobs
+from iterserve.common.wire import Knobs
+from iterserve.server.engine.knobs import make_knobs
 from iterserve.server.engine.scheduler import POLICIES
 from iterserve.server.errors import InvalidRequestError
 
@@ -61,8 +62,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
 
-    def initial_knobs(self) -> SchedulerKnobs:
-        return SchedulerKnobs(
+    def initial_knobs(self) -> Knobs:
+        return make_knobs(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             prefill_chunk_size=self.prefill_chunk_size,

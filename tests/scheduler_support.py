@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from iterserve.server.engine.knobs import SchedulerKnobs
+from iterserve.common.wire import Knobs
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.engine.sampling_params import SamplingParams
 from tests.kv_trace_runner import VOCAB, KVTraceRunner
 from tests.kv_trace_runner import next_token as _trace_next_token
 
-KNOB_NAMES = tuple(f.name for f in dataclasses.fields(SchedulerKnobs))
+KNOB_NAMES = tuple(f.name for f in dataclasses.fields(Knobs))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,7 +35,7 @@ def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> 
             return out
 
 
-def make_engine(*, policy: str, block_size: int, num_blocks: int, max_model_len: int, knobs: SchedulerKnobs,
+def make_engine(*, policy: str, block_size: int, num_blocks: int, max_model_len: int, knobs: Knobs,
                 prepare_inputs: bool = True, enable_prefix_caching: bool = True) -> LLMEngine:
     return LLMEngine(
         KVTraceRunner(block_size=block_size, vocab_size=VOCAB, prepare_inputs=prepare_inputs),

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.fleet_sim import FleetSim, even, least_load, merged_p99
-from iterserve.operator.tuning.knobs import Knobs
+from iterserve.common.wire import Knobs
 
 
 @pytest.mark.parametrize("backlogs, rate, expected", [

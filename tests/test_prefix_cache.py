@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from iterserve.common.wire import Knobs
 from iterserve.server.engine.block_manager import BlockManager
 from iterserve.server.engine.block_pool import BlockPool, hash_block
-from iterserve.server.engine.knobs import SchedulerKnobs
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.engine.sampling_params import SamplingParams
 from tests.kv_trace_runner import KVTraceRunner, next_token
@@ -152,7 +152,7 @@ class _FailingOnce(KVTraceRunner):
 def test_a_failed_step_forgets_the_blocks_it_was_to_fill():
     runner = _FailingOnce(block_size=4)
     eng = LLMEngine(runner, tokenizer=None, max_model_len=32, num_blocks=16, block_size=4,
-                    knobs=SchedulerKnobs(), vocab_size=1000)
+                    knobs=Knobs(), vocab_size=1000)
     prompt = list(range(10))
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     eng.add_request(prompt_token_ids=prompt, sampling_params=params, request_id="a")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from iterserve.server.engine.knobs import SchedulerKnobs
+from iterserve.common.wire import Knobs
 from iterserve.server.engine.llm_engine import LLMEngine
 from iterserve.server.errors import InvalidRequestError
 from tests.kv_trace_runner import VOCAB
@@ -41,7 +41,7 @@ def test_tiny_pool_forces_preemption_and_everything_completes(policy, prepare_in
     # 4 blocks of 2 slots hold one request of max_model_len 8; three requests of 3 prompt tokens and 5
     # output tokens each end at 8 tokens (4 blocks), so the pool cannot hold even two of them.
     eng = make_engine(policy=policy, block_size=2, num_blocks=4, max_model_len=8,
-                      knobs=SchedulerKnobs(max_num_seqs=3, max_num_batched_tokens=16, prefill_chunk_size=4),
+                      knobs=Knobs(max_num_seqs=3, max_num_batched_tokens=16, prefill_chunk_size=4),
                       prepare_inputs=prepare_inputs)
     prompts = {f"p{i}": make_prompt(3, 10 * i) for i in range(3)}
     for rid, prompt in prompts.items():
@@ -61,7 +61,7 @@ def test_preempted_request_recomputes_and_keeps_its_output():
     # block_size 1, 8 blocks: two requests of 2 prompt tokens and 5 output tokens (7 tokens in the
     # end, 6 computed) cannot both fit; the newer one is preempted and recomputes prompt + output.
     eng = make_engine(policy="continuous", block_size=1, num_blocks=8, max_model_len=8,
-                      knobs=SchedulerKnobs(max_num_seqs=2, max_num_batched_tokens=8, prefill_chunk_size=8))
+                      knobs=Knobs(max_num_seqs=2, max_num_batched_tokens=8, prefill_chunk_size=8))
     eng.add_request(prompt_token_ids=[5, 6], sampling_params=params(5), request_id="old")
     eng.add_request(prompt_token_ids=[7, 8], sampling_params=params(5), request_id="new")
     finals = run_to_completion(eng)
@@ -73,13 +73,13 @@ def test_preempted_request_recomputes_and_keeps_its_output():
 def test_engine_refuses_a_pool_smaller_than_max_model_len():
     with pytest.raises(InvalidRequestError):
         make_engine(policy="continuous", block_size=4, num_blocks=3, max_model_len=13,
-                    knobs=SchedulerKnobs())
-    make_engine(policy="continuous", block_size=4, num_blocks=4, max_model_len=16, knobs=SchedulerKnobs())
+                    knobs=Knobs())
+    make_engine(policy="continuous", block_size=4, num_blocks=4, max_model_len=16, knobs=Knobs())
 
 
 def test_abort_of_finished_or_unknown_request_yields_nothing():
     eng = make_engine(policy="continuous", block_size=4, num_blocks=8, max_model_len=16,
-                      knobs=SchedulerKnobs(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8))
+                      knobs=Knobs(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8))
     eng.add_request(prompt_token_ids=[1, 2], sampling_params=params(1), request_id="a")
     assert [o.finished for o in eng.step()] == [True]
     eng.abort_request("a")
@@ -106,11 +106,11 @@ engine_configs = st.fixed_dictionaries({
     "caching": st.booleans(),
     "block_size": st.integers(1, 8),
     "extra_blocks": st.integers(0, 6),
-    "knobs": st.builds(SchedulerKnobs, max_num_seqs=st.integers(1, 6), max_num_batched_tokens=st.integers(1, 48),
+    "knobs": st.builds(Knobs, max_num_seqs=st.integers(1, 6), max_num_batched_tokens=st.integers(1, 48),
                        prefill_chunk_size=st.integers(1, 24)),
     # a live knob change at some step (None: none)
     "change_at": st.none() | st.integers(0, 30),
-    "new_knobs": st.builds(SchedulerKnobs, max_num_seqs=st.integers(1, 6),
+    "new_knobs": st.builds(Knobs, max_num_seqs=st.integers(1, 6),
                            max_num_batched_tokens=st.integers(1, 48), prefill_chunk_size=st.integers(1, 24)),
 })
 
@@ -181,7 +181,7 @@ def test_duplicate_live_request_id_is_rejected(steps_before):
     # The block manager, the scheduler's live set and the output processor are all keyed by request id,
     # so a second live request under the same id would share the first one's KV blocks.
     eng = make_engine(policy="continuous", block_size=2, num_blocks=8, max_model_len=16,
-                      knobs=SchedulerKnobs(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8))
+                      knobs=Knobs(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8))
     eng.add_request(prompt_token_ids=[1, 2, 3], sampling_params=params(4), request_id="x")
     outputs = [o for _ in range(steps_before) for o in eng.step()]
     with pytest.raises(InvalidRequestError) as e:
@@ -196,7 +196,7 @@ def test_duplicate_live_request_id_is_rejected(steps_before):
 
 def test_request_id_can_be_reused_once_finished():
     eng = make_engine(policy="continuous", block_size=2, num_blocks=8, max_model_len=16,
-                      knobs=SchedulerKnobs(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8))
+                      knobs=Knobs(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8))
     for prompt in ([1, 2, 3], [4, 5, 6, 7, 8]):
         eng.add_request(prompt_token_ids=prompt, sampling_params=params(4), request_id="x")
         assert run_to_completion(eng, max_steps=100) == {"x": [reference_output(prompt, 4, 16), "length"]}

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from iterserve.server.engine.knobs import SchedulerKnobs
+from iterserve.common.wire import Knobs
 from iterserve.server.errors import InvalidRequestError
 from tests.kv_trace_runner import VOCAB
 from tests.scheduler_checks import ScheduleChecks
@@ -64,7 +64,7 @@ class EngineMachine(ScheduleChecks, RuleBasedStateMachine):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_blocks = cdiv(max_model_len, block_size) + extra_blocks  # engine needs >= max_model_len slots
-        self.knobs = SchedulerKnobs(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        self.knobs = Knobs(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                     prefill_chunk_size=chunk)
         self.eng = make_engine(policy=self.policy, block_size=block_size, num_blocks=self.num_blocks,
                                max_model_len=max_model_len, knobs=self.knobs, enable_prefix_caching=self.CACHING)

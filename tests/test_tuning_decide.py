@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.decide import (
     BACK_OFF_SEQS,
     CLAMP,
@@ -19,7 +20,6 @@ from iterserve.operator.tuning.decide import (
     decide,
 )
 from iterserve.operator.tuning.failures import same_mix
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import InvalidPolicyError, TuningPolicy
 

@@ -17,9 +17,9 @@ import pytest
 
 from iterserve.bench.load import BenchConfig, run_bench
 from iterserve.bench.workload import WorkloadSpec, parse_length
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.decide import BACK_OFF_SEQS, RAISE_SEQS
 from iterserve.operator.tuning.histograms import histogram_quantile
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observe import PodScraper
 from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy

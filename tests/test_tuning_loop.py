@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from iterserve.common.wire import Knobs
 from iterserve.operator.spec import Bound, parse_llmservice
 from iterserve.operator.tuning.decide import (
     HOLD,
@@ -19,7 +20,6 @@ from iterserve.operator.tuning.decide import (
     Decision,
     TunerState,
 )
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observe import PodScraper
 from iterserve.operator.tuning.policy import InvalidPolicyError, KnobBounds, TuningPolicy
 from iterserve.operator.tuning.prometheus import PrometheusSource

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.decide import ROLLBACK, Decision, TunerState, decide
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.policy import TuningPolicy
 from tests.tuning_latency_model import LatencyModel
 

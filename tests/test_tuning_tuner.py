@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from iterserve.operator.tuning.knobs import Knobs
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy

@@ -12,14 +12,13 @@ import httpx
 import yaml
 
 from iterserve.common import wire
+from iterserve.common.wire import Knobs
 from iterserve.operator.builders.configmap import build_knobs_configmap
 from iterserve.operator.builders.deployment import build_deployment
 from iterserve.operator.builders.secret import token_digest
 from iterserve.operator.spec import DEFAULT_KNOBS, parse_llmservice
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import COUNTERS, GAUGES, HISTOGRAMS, SERVER_ERRORS
 from iterserve.server.config import EngineConfig
-from iterserve.server.engine.knobs import SchedulerKnobs
 from iterserve.server.entrypoints import serve_cmd
 from iterserve.server.entrypoints.cli import build_parser
 from iterserve.server.entrypoints.cli_args import engine_config_from_args
@@ -48,7 +47,6 @@ def test_both_sides_start_from_the_wire_defaults():
     defaults = dict(wire.KNOB_DEFAULTS)
     args = build_parser().parse_args(["serve"])
     config = engine_config_from_args(args)
-    assert SchedulerKnobs().as_dict() == defaults
     assert {k: getattr(EngineConfig(), k) for k in defaults} == defaults
     assert {k: getattr(config, k) for k in defaults} == defaults
     assert Knobs().as_dict() == defaults and DEFAULT_KNOBS == defaults

@@ -16,7 +16,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from iterserve.operator.tuning.knobs import Knobs
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.observation import Observation
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from iterserve.operator.tuning.knobs import Knobs
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.policy import KnobBounds, TuningPolicy
 from iterserve.operator.tuning.reading import Reading
 

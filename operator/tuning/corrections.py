@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.actions import AIMS, BACK_OFF_SEQS, LOWER_CHUNK, RAISE_CHUNK, RAISE_SEQS
 from iterserve.operator.tuning.chunk_moves import chunk_bounds, chunk_steps, decodes_cheap
 from iterserve.operator.tuning.decision import Condition, Decision, PendingChange, TunerState, breached, move, stay
 from iterserve.operator.tuning.failures import FailedSetting, mark_failed
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import Reading

@@ -8,10 +8,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.actions import HOLD, RAISE_CHUNK, ROLLBACK
 from iterserve.operator.tuning.chunk_moves import cheap_raise_base, decodes_cheap
 from iterserve.operator.tuning.failures import FailedSetting
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import Reading
 

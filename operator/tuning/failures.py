@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.actions import DIRECTIONS
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.policy import TuningPolicy
 
 

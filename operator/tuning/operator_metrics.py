@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from iterserve.operator.tuning.knobs import Knobs
+from iterserve.common.wire import Knobs
 
 SERVICE = ["namespace", "service"]
 TUNED_VALUE = {"True": 1.0, "False": 0.0, "Unknown": -1.0}

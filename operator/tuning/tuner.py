@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.decide import HOLD, ROLLBACK, Decision, TunerState, decide
-from iterserve.operator.tuning.knobs import Knobs
 from iterserve.operator.tuning.observation import MetricsSource, Observation
 from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy

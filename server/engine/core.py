@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from iterserve.common.wire import Knobs
 from iterserve.server.engine.block_manager import BlockManager
 from iterserve.server.engine.grammar_manager import GrammarManager
-from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
+from iterserve.server.engine.knobs import LiveKnobs
 from iterserve.server.engine.outputs import CoreOutput
 from iterserve.server.engine.request import Request, RequestStatus
 from iterserve.server.engine.scheduler import Scheduler, SchedulerOutput
@@ -66,7 +67,7 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, model_runner: Runner, *, max_model_len: int, num_blocks: int, block_size: int,
-                 knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(),
+                 knobs: Knobs, policy: str = "continuous", eos_token_ids=(),
                  enable_prefix_caching: bool = True, grammar: GrammarManager | None = None):
         """grammar: compiles and runs the grammars of structured output (None: a model without a tokenizer,
         whose requests cannot ask for it)."""
@@ -104,7 +105,7 @@ class EngineCore:
         """Stop a request; its blocks are freed at the next step, which reports it as aborted."""
         self.scheduler.abort_request(request_id)
 
-    def update_knobs(self, **changes: int) -> SchedulerKnobs:
+    def update_knobs(self, **changes: int) -> Knobs:
         """Change max_num_seqs / max_num_batched_tokens / prefill_chunk_size from the next step on."""
         return self.knobs.update(**changes)
 

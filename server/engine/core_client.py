@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from iterserve.common.wire import Knobs
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.channels import QueueChannel, ZmqChannel
 from iterserve.server.engine.input_processor import InputProcessor
-from iterserve.server.engine.knobs import SchedulerKnobs, validate_change
+from iterserve.server.engine.knobs import validate_change
 from iterserve.server.engine.messages import (
     Abort,
     AddRequest,
@@ -245,13 +246,13 @@ class EngineClient:
             self._send(Abort(failed))
         return len(failed)
 
-    async def update_knobs(self, **changes: int) -> SchedulerKnobs:
+    async def update_knobs(self, **changes: int) -> Knobs:
         """Validate a knob change as a whole, and apply it in the core (from its next step on)."""
         validate_change(self.knobs, changes)  # refused here, at once, without a round trip
         reply: KnobsReply = await self._call(lambda call_id: UpdateKnobs(call_id, dict(changes)))
         if reply.knobs is None:
             raise InvalidRequestError(reply.error_param or "knobs", reply.error_message or "refused")
-        return SchedulerKnobs(**reply.knobs)
+        return Knobs(**reply.knobs)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix in the core (between two of its steps); returns how many blocks
@@ -277,8 +278,8 @@ class EngineClient:
         return len(self._streams)
 
     @property
-    def knobs(self) -> SchedulerKnobs:
-        return SchedulerKnobs(**self._snapshot.knobs)
+    def knobs(self) -> Knobs:
+        return Knobs(**self._snapshot.knobs)
 
     def snapshot(self) -> dict:
         """The core's state after its latest step, for metrics and admission. `num_waiting` counts the

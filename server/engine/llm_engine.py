@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import threading
 
+from iterserve.common.wire import Knobs
 from iterserve.server.engine.core import EngineCore
 from iterserve.server.engine.grammar_manager import GrammarManager
 from iterserve.server.engine.input_processor import InputProcessor
-from iterserve.server.engine.knobs import SchedulerKnobs
 from iterserve.server.engine.output_processor import OutputProcessor
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.request import Request
@@ -26,7 +26,7 @@ class LLMEngine:
     kv_cache_report: str = ""  # set by engine_factory.build_engine: the KV cache's size, for the log
 
     def __init__(self, model_runner, *, tokenizer, max_model_len: int, num_blocks: int, block_size: int,
-                 knobs: SchedulerKnobs, policy: str = "continuous", eos_token_ids=(), vocab_size: int,
+                 knobs: Knobs, policy: str = "continuous", eos_token_ids=(), vocab_size: int,
                  enable_prefix_caching: bool = True):
         core = EngineCore(model_runner, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                           knobs=knobs, policy=policy, eos_token_ids=eos_token_ids,
@@ -88,7 +88,7 @@ class LLMEngine:
         """Stop a request (its client went away); its blocks are freed at the next step."""
         self.core.abort_request(request_id)
 
-    def update_knobs(self, **changes: int) -> SchedulerKnobs:
+    def update_knobs(self, **changes: int) -> Knobs:
         """Change max_num_seqs / max_num_batched_tokens / prefill_chunk_size from the next step on."""
         return self.core.update_knobs(**changes)
 

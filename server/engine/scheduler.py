@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from iterserve.common.wire import Knobs
 from iterserve.server.engine.block_manager import BlockManager
-from iterserve.server.engine.knobs import LiveKnobs, SchedulerKnobs
+from iterserve.server.engine.knobs import LiveKnobs
 from iterserve.server.engine.request import Request, RequestStatus
 from iterserve.server.engine.sampling_params import SamplingParams
 
@@ -63,7 +64,7 @@ class SchedulerOutput:
     # sum of len(new_token_ids); never above the step's max_num_batched_tokens
     total_num_scheduled_tokens: int
     # the knobs this step was scheduled under
-    knobs: SchedulerKnobs
+    knobs: Knobs
     # requests that left the engine (finished or aborted) since the last step: the runner drops any
     # state it keeps for them (a seeded request's generator)
     finished_request_ids: list[str] = field(default_factory=list)
@@ -194,7 +195,7 @@ class Scheduler:
         return ScheduledRequest(req.request_id, req.token_ids[start:start + n], start, table, params,
                                 req.token_ids if history else None, req.num_prompt_tokens if history else 0)
 
-    def _admit(self, knobs: SchedulerKnobs, budget: int, prefill_left: int,
+    def _admit(self, knobs: Knobs, budget: int, prefill_left: int,
                scheduled: list[ScheduledRequest]) -> None:
         bm = self.block_manager
         if self.policy == "static" and not self.running and not self._static_batch:
