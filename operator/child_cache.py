@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from iterserve.operator.builders.labels import MANAGED_BY
-
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+from iterserve.operator.builders.labels import MANAGED_BY, MANAGED_BY_LABEL
 
 
 class ChildCache:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from iterserve.operator.builders.labels import ANNOTATION_PREFIX, MANAGED_BY
+from iterserve.operator.builders.labels import ANNOTATION_PREFIX, MANAGED_BY, MANAGED_BY_LABEL
 
 # On every child the operator server-side applies: a digest of what it applied. A rendering that drops a
 # field (an annotation, a resource limit) leaves no difference `differences` can see in the stored
@@ -87,6 +87,6 @@ def foreign_owner(obj: dict, owner_uid: str) -> str | None:
         if controller.get("uid") == owner_uid:
             return None
         return f"it is controlled by {controller.get('kind')} {controller.get('name')}"
-    if (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == MANAGED_BY:
+    if (meta.get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY:
         return None
     return "it exists and was not created by the operator"

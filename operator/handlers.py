@@ -26,7 +26,7 @@ import kopf
 import kubernetes
 
 from iterserve.operator import background, controller, tuning_loop
-from iterserve.operator.builders.labels import MANAGED_BY
+from iterserve.operator.builders.labels import MANAGED_BY, MANAGED_BY_LABEL
 from iterserve.operator.builders.networkpolicy import OperatorPeer
 from iterserve.operator.child_cache import ChildCache
 from iterserve.operator.constants import (
@@ -175,7 +175,7 @@ async def cache_deployment(event, memo: kopf.Memo, **_) -> None:
         cache.observe(event.get("type"), event["object"])
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: MANAGED_BY})
 def deployment_changed(event, body, memo: kopf.Memo, **_) -> None:
     owner = _owner(body)
     if owner is None:

@@ -7,6 +7,7 @@ from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.spec import LLMService
 
 MANAGED_BY = "iterserve-operator"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"  # its key, on every child the operator makes
 HTTP_PORT = wire.HTTP_PORT
 ADMIN_PORT = wire.ADMIN_PORT  # /admin/* only (`iterserve serve --admin-port`), reachable from the operator alone
 ADMIN_PORT_NAME = "admin"
@@ -28,7 +29,7 @@ def selector_string(name: str) -> str:
 
 def labels(name: str) -> dict[str, str]:
     return {**selector_labels(name), "app.kubernetes.io/component": "server",
-            "app.kubernetes.io/managed-by": MANAGED_BY}
+            MANAGED_BY_LABEL: MANAGED_BY}
 
 
 def router_name(name: str) -> str:
@@ -50,7 +51,7 @@ def router_selector_labels(name: str) -> dict[str, str]:
 
 def router_labels(name: str) -> dict[str, str]:
     return {**router_selector_labels(name), "app.kubernetes.io/component": "router",
-            "app.kubernetes.io/managed-by": MANAGED_BY}
+            MANAGED_BY_LABEL: MANAGED_BY}
 
 
 def owner_reference(svc: LLMService) -> dict:

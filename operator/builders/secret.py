@@ -14,12 +14,12 @@ import hashlib
 import secrets
 from typing import Any
 
-from iterserve.operator.builders.labels import MANAGED_BY
+from iterserve.operator.builders.labels import MANAGED_BY, MANAGED_BY_LABEL
 from iterserve.operator.constants import GROUP, KIND, VERSION
 from iterserve.operator.spec import ADMIN_SECRET, LLMService
 
 SECRET_LABELS = {"app.kubernetes.io/name": "iterserve", "app.kubernetes.io/component": "admin-tokens",
-                 "app.kubernetes.io/managed-by": MANAGED_BY}
+                 MANAGED_BY_LABEL: MANAGED_BY}
 
 
 def new_admin_token() -> str:
