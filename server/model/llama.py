@@ -152,11 +152,15 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         return self.layer_ops.add_rms_norm(self.norm, x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """The logits of `hidden`'s rows, in float32 (`upcast`, what sampling and logprobs read) or in the
+        model's dtype (an argmax of bf16 logits equals the argmax of their exact float32 copies)."""
         if self.packed_lm_head is not None:
-            logits = self.packed_lm_head(hidden).float()
+            logits = self.packed_lm_head(hidden)
         else:
-            logits = F.linear(hidden, self._lm_head_weight()).float()
+            logits = F.linear(hidden, self._lm_head_weight())
+        if upcast:
+            logits = logits.float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2
 

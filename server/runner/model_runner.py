@@ -20,7 +20,7 @@ from iterserve.server.model.registry import build_model
 from iterserve.server.model.rope import RotaryEmbedding
 from iterserve.server.runner.backends import make_backend, num_sms
 from iterserve.server.runner.logits_processors import apply_grammar_bitmask, process_logits
-from iterserve.server.runner.sampler import EMPTY_OUTPUT, ModelRunnerOutput, sample
+from iterserve.server.runner.sampler import EMPTY_OUTPUT, ModelRunnerOutput, greedy_output, sample, takes_argmax
 from iterserve.server.runner.step_inputs import step_layout, to_step_inputs
 
 if TYPE_CHECKING:  # CUDA graphs are imported only where they run
@@ -124,7 +124,12 @@ class ModelRunner:
             sample_indices = inputs.sample_indices
         if not layout.sampling:
             return EMPTY_OUTPUT
-        logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
+        hidden = hidden.index_select(0, sample_indices)
+        if out.grammar_bitmask is None and self.model.config.final_logit_softcapping is None \
+                and takes_argmax(layout.sampling):
+            # a batch of plain greedy rows needs no float32 copy of its logits (64 x 49k on CPU: 2% of a step)
+            return greedy_output(self.model.compute_logits(hidden, upcast=False), layout.sampling)
+        logits = self.model.compute_logits(hidden)
         processed = process_logits(logits, layout.sampling, self.eos_token_ids)
         if out.grammar_bitmask is not None:
             processed = apply_grammar_bitmask(processed, logits, layout.sampling, out.grammar_bitmask)

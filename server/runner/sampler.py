@@ -8,10 +8,14 @@ else is in the batch. Results are keyed by request id.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from iterserve.server.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from iterserve.server.engine.scheduler import ScheduledRequest
 
 
 @dataclass
@@ -58,6 +62,19 @@ def sample(logits: torch.Tensor, request_ids: list[str], params: list[SamplingPa
                 if n:
                     top[request_ids[i]] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist(), strict=True))
     return ModelRunnerOutput(dict(zip(request_ids, chosen, strict=True)), logprobs, top)
+
+
+def takes_argmax(sampling: list[ScheduledRequest]) -> bool:
+    """Whether every row's token is the argmax of the model's own logits: greedy, no logprobs, and nothing
+    that changes logits (penalties, bias, min_tokens: rows that need them carry their tokens)."""
+    return all(s.token_ids is None and s.sampling_params is not None and s.sampling_params.greedy
+               and not s.sampling_params.logprobs for s in sampling)
+
+
+def greedy_output(logits: torch.Tensor, sampling: list[ScheduledRequest]) -> ModelRunnerOutput:
+    """The argmax of each row of `logits` (any float dtype: the first maximum, as `sample` takes it)."""
+    chosen = logits.max(dim=-1).indices.tolist()
+    return ModelRunnerOutput(dict(zip((s.request_id for s in sampling), chosen, strict=True)), {}, {})
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
