@@ -3,7 +3,7 @@ operator's `decide` and `decide_scale`), and an HPA-style controller on queue de
 a grid, side by side in one run.
 
     python benchmarks/autoscaling.py [--fleets 2,4,8,16,32] [--seeds 3] [--thresholds 0.5,1,2,4,8,16]
-                                     [--routings round-robin,least-load]
+                                     [--routings round-robin,least-load] [--max-replicas 2]
                                      [--out benchmarks/results/autoscaling.json]   # a few minutes here
 
 The fleet (benchmarks/fleet_sim.py): pods of the latency model the tuning tests use
@@ -21,7 +21,8 @@ knobs, so the peak needs F pods at any setting; a stepped Poisson-like rate of 0
 pods' worth (20, 40, 40, 30 ticks), starting from knobs far from tuned (max_num_seqs 4).
 - knobs only: the tuner in auto mode on a fixed fleet sized for the first phase (what the product did
   before spec.autoscaling: BoundsReached at the peak);
-- knobs + replicas: the tuner and the autoscaler, minReplicas 1, maxReplicas 2F, default windows;
+- knobs + replicas: the tuner and the autoscaler, minReplicas 1, maxReplicas 2F (`--max-replicas K`: KF,
+  the HPA's too), default windows;
 - HPA: desired = ceil(pods x mean waiting per pod / threshold) with the HPA's 10% tolerance, its default
   scale-up limit, and the shipped example's scale-down (300 s stabilization, one pod a minute), on the
   tuner's knobs (the tuner in auto mode beside it, as a user of both would run them); best threshold:
@@ -40,17 +41,18 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim  # noqa: E402
 from iterserve.common.wire import Knobs  # noqa: E402
-from iterserve.operator.tuning.decide import TunerState, decide  # noqa: E402
+from iterserve.operator.tuning.decide import Decision, TunerState, decide  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.policy import TuningPolicy  # noqa: E402
 from iterserve.operator.tuning.reading import read  # noqa: E402
-from iterserve.operator.tuning.scale import Fleet, ScalePolicy, ScaleState, decide_scale  # noqa: E402
+from iterserve.operator.tuning.scale import Fleet, ScaleDecision, ScalePolicy, ScaleState, decide_scale  # noqa: E402
 
 TICK_S = 30.0
 POLICY = TuningPolicy(ttft_p99_ms=1500, itl_p99_ms=40, max_num_seqs_bounds=(1, 64),
@@ -112,18 +114,31 @@ class Hpa:
         return current - 1
 
 
+class Probe(Protocol):
+    """Looks into a run tick by tick (benchmarks/autoscaling_whatif.py: traces and counterfactuals)."""
+
+    def before(self, tick: int, sim: FleetSim, t: float) -> None: ...  # the window is about to run
+
+    def after(self, tick: int, sim: FleetSim, obs: Observation, met: bool, tuner: Decision,
+              scaled: ScaleDecision | None) -> None: ...  # it ran; the controllers decided (not yet applied)
+
+
 def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float = 60.0,
-             routing: str = "round-robin", fleet_p99: str = "merged") -> Run:
+             routing: str = "round-robin", fleet_p99: str = "merged", max_replicas: int | None = None,
+             probe: Probe | None = None) -> Run:
+    """One run; `max_replicas` (default 2F) bounds the autoscaler and the HPA alike."""
     rates = load(fleet)
     first = max(1, math.ceil(rates[0][0] / (CAPACITY * 0.9)))
     sim, run = FleetSim(first, seed, start_s, routing, fleet_p99), Run()
     tuner = TunerState(START)
     scaler = ScaleState()
-    scale_policy = ScalePolicy(min_replicas=1, max_replicas=2 * fleet, settle_s=TICK_S,
-                               headroom_line=POLICY.headroom_line)
-    hpa = Hpa(threshold, 1, 2 * fleet)
+    hi = 2 * fleet if max_replicas is None else max_replicas
+    scale_policy = ScalePolicy(min_replicas=1, max_replicas=hi, settle_s=TICK_S, headroom_line=POLICY.headroom_line)
+    hpa = Hpa(threshold, 1, hi)
     t = 0.0
-    for rate, settled in rates:
+    for tick, (rate, settled) in enumerate(rates):
+        if probe is not None:
+            probe.before(tick, sim, t)
         replicas = len(sim.pods)
         obs = sim.window(tuner.knobs, rate, t, t + TICK_S)
         t += TICK_S
@@ -134,12 +149,16 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
         run.replicas.append(replicas)
         d = decide(tuner, obs, POLICY, t)
         tuner = d.state
+        s = None
         if controller == "replicas":
             view = Fleet(replicas=replicas, ready=sim.ready(t), obs=obs,
                          reading=r if obs.num_samples >= POLICY.min_samples else None, verdict=d.tuned,
                          tuner_action=d.action, batch_cap=tuner.knobs.max_num_seqs, knobs=tuner.knobs)
             s = decide_scale(scaler, view, scale_policy, t)
             scaler = s.state
+        if probe is not None:
+            probe.after(tick, sim, obs, run.within[-1], d, s)
+        if s is not None:
             sim.resize(s.replicas, t)
         elif controller == "hpa":
             sim.resize(hpa.desired(replicas, obs, t), t)
@@ -159,12 +178,13 @@ def best_hpa(by_threshold: dict[float, dict]) -> tuple[float, dict]:
 
 
 def compare(fleet: int, routing: str, seeds: range, thresholds: list[float], start_s: float,
-            fleet_p99: str = "merged") -> dict:
+            fleet_p99: str = "merged", max_factor: int = 2) -> dict:
     """One fleet size behind one routing: the three controllers, the HPA at each threshold."""
     row: dict = {"fleet": fleet, "routing": routing}
+    hi = max_factor * fleet
     for name in ("knobs", "replicas"):
-        row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99) for s in seeds])
-    row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99)
+        row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99, hi) for s in seeds])
+    row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99, hi)
                                            for s in seeds]) for th in thresholds}
     th, best = best_hpa({float(k): v for k, v in row["hpa"].items()})
     row["best_hpa_threshold"] = th
@@ -195,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fleet-p99", choices=FLEET_P99S, default="merged",
                     help="the fleet's p99: the pods' histograms summed (what the operator reads), or the worst pod's")
     ap.add_argument("--start-s", type=float, default=60.0, help="seconds a new pod takes to be ready")
+    ap.add_argument("--max-replicas", type=int, default=2, metavar="K",
+                    help="maxReplicas as K times the fleet size F, for the autoscaler and the HPA alike")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     fleets = [int(x) for x in args.fleets.split(",")]
@@ -207,7 +229,8 @@ def main(argv=None) -> int:
           f"{'replica-s':>9} | {'peak':>4} | vs best HPA")
     for fleet in fleets:
         for routing in routings:
-            results.append(compare(fleet, routing, range(args.seeds), thresholds, args.start_s, args.fleet_p99))
+            results.append(compare(fleet, routing, range(args.seeds), thresholds, args.start_s, args.fleet_p99,
+                                   args.max_replicas))
             print_row(results[-1])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,3 +42,11 @@ def test_the_comparison_runs_and_writes_its_json(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--routings", "random"])
 
+
+
+def test_max_replicas_bounds_the_autoscaler_and_the_hpa_alike(tmp_path):
+    out = tmp_path / "autoscaling.json"
+    assert main(["--fleets", "2", "--seeds", "1", "--thresholds", "0.5", "--routings", "round-robin",
+                 "--max-replicas", "1", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["replicas"]["peak_replicas"] == 2 and row["hpa"]["0.5"]["peak_replicas"] == 2  # 1 x F, reached

@@ -162,14 +162,32 @@ def test_every_rule_has_a_row():
 
 
 def test_a_scale_out_learns_capacity_and_a_met_window_at_a_higher_rate_raises_it():
-    d = decide_scale(ScaleState(), fleet(window(ttft=1500, rate=6.0), verdict=BOUNDS), POLICY, NOW)
-    assert d.action == SCALE_OUT and d.state.capacity == 3.0  # 6 requests/s over the 2 pods read
+    d = decide_scale(ScaleState(), fleet(window(ttft=1500, rate=6.0, running=30), verdict=BOUNDS), POLICY, NOW)
+    assert d.action == SCALE_OUT and d.state.capacity == 3.0  # 6 requests/s over the 2 pods read, batches full
     assert d.state.last_scale_time == NOW and d.state.pressure_since is None and d.state.queue == ()
     up = fleet(window(ttft=500, rate=12.0, pods=3), replicas=3)
     settling = decide_scale(d.state, up, POLICY, NOW + 100)  # the new pod is up: a window from now on
     assert settling.state.whole_since == NOW + 100 and settling.state.capacity == 3.0
     assert settling.state.start_s == 100  # how long its pods took: what a draining backlog is weighed against
     assert decide_scale(settling.state, up, POLICY, NOW + 200).state.capacity == 4.0
+
+
+@pytest.mark.parametrize("running, cap, learned", [
+    (24.0, 16, 3.0),  # 12 of 16 per pod: full at the 75% line
+    (23.0, 16, None),  # just under it
+    (18.0, 16, None),  # one pod full (16), its peer nearly idle: a backlog one pod holds, not the fleet's limit
+    (2.0, 0, 3.0),  # the batch cap is not known: the rate is taken as before
+])
+def test_a_scale_out_learns_capacity_only_from_full_batches(running, cap, learned):
+    view = dataclasses.replace(fleet(window(ttft=1500, rate=6.0, running=running), verdict=BOUNDS), batch_cap=cap)
+    d = decide_scale(ScaleState(), view, POLICY, NOW)
+    assert d.action == SCALE_OUT and d.state.capacity == learned
+
+
+def test_an_earlier_capacity_survives_a_scale_out_on_idle_batches():
+    st = dataclasses.replace(LONG_AGO, capacity=9.0, capacity_knobs=None)
+    d = decide_scale(st, fleet(window(ttft=1500, rate=6.0, running=4), verdict=BOUNDS), POLICY, NOW)
+    assert d.action == SCALE_OUT and d.state.capacity == 9.0
 
 
 def test_headroom_and_pressure_are_timed_from_their_first_window():

@@ -8,10 +8,11 @@ whatever the tuner says (arrivals outrun the fleet). It shrinks by one pod once 
 for the scale-down stabilization window and the load spread over one pod fewer would still fit with a
 margin. `SCALE_RULES` is an ordered table like the tuner's `RULES`: the first rule that decides wins.
 
-What one pod can carry is learned, not configured: at each scale-out the per-pod completion rate (the
-fleet was saturated, or over its SLO at every knob setting) is remembered as `capacity`, and a window that
-met the SLO at a higher per-pod rate raises it (the load's mix changed). A scale-in must leave every pod
-under (1 - margin) of that capacity, so a fleet does not shrink back into the breach it has just grown out of.
+What one pod can carry is learned, not configured: at each scale-out on full batches the per-pod
+completion rate (the fleet was saturated, or over its SLO at every knob setting) is remembered as
+`capacity`, and a window that met the SLO at a higher per-pod rate raises it (the load's mix changed). A
+scale-in must leave every pod under (1 - margin) of that capacity, so a fleet does not shrink back into the
+breach it has just grown out of.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class ScalePolicy:
     pod_start_s: float = 600.0  # how long pods added by a scale-out are waited for before adding more
     max_factor: float = 2.0  # one scale-out at most multiplies the fleet by this (or adds max_step pods)
     max_step: int = 4
+    full_batch: float = 0.75  # share of max_num_seqs running per pod that counts as full (the tuner's line)
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,15 @@ class Tick:
         """Requests per second each pod read finished."""
         obs = self.fleet.obs
         return obs.request_rate / obs.num_pods if obs is not None and obs.num_pods else 0.0
+
+    @cached_property
+    def full(self) -> bool:
+        """The pods ran full batches on average (or the batch cap is not known): only then is the per-pod
+        completion rate what a pod carries. A breach held up by one pod's backlog, with its peers idle
+        (round-robin leaves a step's excess on the pod that took it), is not: learned as capacity, that
+        rate would keep the fleet from shrinking to what the load needs."""
+        obs, cap = self.fleet.obs, self.fleet.batch_cap
+        return obs is None or not cap or obs.running >= self.policy.full_batch * cap * max(obs.num_pods, 1)
 
     @cached_property
     def s(self) -> ScaleState:
@@ -334,7 +345,7 @@ def scale_out(t: Tick) -> ScaleDecision | None:
         reason = f"at spec.autoscaling.maxReplicas ({n}) and still {reason}"
         return t.stay(reason, Condition("False", "MaxReplicasReached", f"{n} replicas: {reason}"))
     return t.scale(SCALE_OUT, target, reason + (f" (on the way to {goal})" if goal > target else ""),
-                   capacity=t.per_pod_rate if t.per_pod_rate > 0 else None, goal=goal)
+                   capacity=t.per_pod_rate if t.per_pod_rate > 0 and t.full else None, goal=goal)
 
 
 def scale_in(t: Tick) -> ScaleDecision | None:

@@ -1,0 +1,145 @@
+"""What would have met the SLO where knobs + replicas misses in benchmarks/autoscaling.py: the same runs
+with one thing changed at a time, side by side, and a tick-by-tick trace of any of them.
+
+    python benchmarks/autoscaling_whatif.py [--fleet 2] [--routing round-robin] [--seeds 5]   # seconds
+    python benchmarks/autoscaling_whatif.py --trace 0 [--case "as is"] [--ticks 18-40]
+
+Cases (knobs + replicas unless named; medians over seeds):
+- `as is`: the benchmark's run (maxReplicas 2F, pods ready 60 s after they are asked for);
+- `foresight`: maxReplicas asked for at the first instant of the peak, before any window shows it (no
+  controller that reads windows can: the first one showing the peak ends a window into it);
+- `pre-provisioned`: maxReplicas ready when the peak begins (asked a pod start before it), which only a
+  fleet already scaled out for another reason has;
+- `pods ready in half the time`, `maxReplicas 2F+1`, `3F`, `4F`: the cluster or the user's range;
+- `least-load`: behind spec.router instead of the routing given.
+The trace prints, per tick: the load and the completions (requests/s), the replicas asked for and
+ready, each pod's backlog (requests queued beyond its steady state: where round-robin leaves a step's
+excess), the fleet's waiting queue and p99 TTFT as the operator pools them, whether the window met the
+SLO (`*`: within the settling ticks), the knobs, the tuner's verdict and the autoscaler's reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.autoscaling import PHASES, TICK_S, Run, load, simulate  # noqa: E402
+from benchmarks.fleet_sim import ROUTINGS, FleetSim  # noqa: E402
+from iterserve.operator.tuning.decision import Decision  # noqa: E402
+from iterserve.operator.tuning.observation import Observation  # noqa: E402
+from iterserve.operator.tuning.scale import ScaleDecision  # noqa: E402
+
+PEAK_TICK = PHASES[0][1]  # the first tick of the peak
+
+
+@dataclass
+class Asks:
+    """Resizes the fleet to `replicas` before the window of `tick` runs: an ask no window has shown."""
+
+    tick: int
+    replicas: int
+
+    def before(self, tick: int, sim: FleetSim, t: float) -> None:
+        if tick == self.tick:
+            sim.resize(self.replicas, t)
+
+    def after(self, tick: int, sim: FleetSim, obs: Observation, met: bool, tuner: Decision,
+              scaled: ScaleDecision | None) -> None:
+        pass
+
+
+@dataclass
+class Trace:
+    """Prints the ticks in [lo, hi] of a run on `plan` (benchmarks/autoscaling.load's)."""
+
+    lo: int
+    hi: int
+    plan: list[tuple[float, bool]]
+    inner: Asks | None = None
+
+    def before(self, tick: int, sim: FleetSim, t: float) -> None:
+        if self.inner is not None:
+            self.inner.before(tick, sim, t)
+
+    def after(self, tick: int, sim: FleetSim, obs: Observation, met: bool, tuner: Decision,
+              scaled: ScaleDecision | None) -> None:
+        if not self.lo <= tick <= self.hi:
+            return
+        k = tuner.state.knobs
+        backlog = ",".join(f"{p.model.backlog:.0f}" for p in sim.pods if p.ready_at <= obs.start) or "-"
+        why = scaled.reason if scaled is not None else ""
+        settling = " " if self.plan[tick][1] else "*"
+        print(f"{tick:>4} | {self.plan[tick][0]:>5.1f} | {obs.request_rate:>5.1f} | "
+              f"{len(sim.pods):>2}/{sim.ready(obs.end):<2} | {backlog:<22} | {obs.queued:>7.0f} | "
+              f"{obs.ttft_p99_s:>7.2f} | {'yes' if met else 'no':>3}{settling} | "
+              f"{k.max_num_seqs:>3},{k.prefill_chunk_size:<4} | {tuner.tuned.reason:<14} | {why}")
+
+
+def cases(fleet: int, routing: str, start_s: float) -> dict[str, dict]:
+    """Each case's keyword arguments to `simulate` (`asks`: an `Asks` probe)."""
+    hi = 2 * fleet
+    lead = -(-start_s // TICK_S)  # ticks a pod takes to be ready, rounded up
+    return {
+        "as is": {},
+        "foresight": {"asks": Asks(PEAK_TICK, hi)},
+        "pre-provisioned": {"asks": Asks(PEAK_TICK - int(lead), hi)},
+        "pods ready in half the time": {"start_s": start_s / 2},
+        "maxReplicas 2F+1": {"max_replicas": hi + 1},
+        "maxReplicas 3F": {"max_replicas": 3 * fleet},
+        "maxReplicas 4F": {"max_replicas": 4 * fleet},
+        "least-load": {"routing": "least-load"},
+    } if routing != "least-load" else {"as is": {}, "foresight": {"asks": Asks(PEAK_TICK, hi)}}
+
+
+def run_case(fleet: int, seed: int, routing: str, start_s: float, kw: dict, trace: Trace | None = None) -> Run:
+    kw = dict(kw)
+    asks = kw.pop("asks", None)
+    if trace is not None:
+        trace.inner = asks
+    probe = trace if trace is not None else asks
+    return simulate(fleet, seed, "replicas", 0.0, kw.pop("start_s", start_s), kw.pop("routing", routing),
+                    probe=probe, **kw)
+
+
+def missed(run: Run) -> int:
+    return sum(1 for w, s in zip(run.within, run.settled, strict=True) if s and not w)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fleet", type=int, default=2)
+    ap.add_argument("--routing", choices=ROUTINGS, default="round-robin")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--start-s", type=float, default=60.0, help="seconds a new pod takes to be ready")
+    ap.add_argument("--trace", type=int, metavar="SEED", help="print one seed's run tick by tick")
+    ap.add_argument("--case", default="as is", help="the case to trace")
+    ap.add_argument("--ticks", default=f"{PEAK_TICK - 2}-{PEAK_TICK + 20}", help="the ticks to trace, LO-HI")
+    args = ap.parse_args(argv)
+    table = cases(args.fleet, args.routing, args.start_s)
+    if args.trace is not None:
+        if args.case not in table:
+            ap.error(f"--case: one of {', '.join(table)}")
+        lo, hi = (int(x) for x in args.ticks.split("-"))
+        print(f"{'tick':>4} | {'load':>5} | {'done':>5} | {'n/rdy':<5} | {'backlog per ready pod':<22} | "
+              f"{'waiting':>7} | {'TTFT99':>7} | SLO  | {'knobs':<8} | {'tuner':<14} | autoscaler")
+        run_case(args.fleet, args.trace, args.routing, args.start_s, table[args.case],
+                 Trace(lo, hi, load(args.fleet)))
+        return 0
+    print(f"F = {args.fleet}, {args.routing}, {args.seeds} seeds")
+    print(f"{'case':<28} | {'after convergence':>17} | {'missed per seed':<18} | {'replica-s':>9}")
+    for name, kw in table.items():
+        runs_ = [run_case(args.fleet, seed, args.routing, args.start_s, kw) for seed in range(args.seeds)]
+        share = statistics.median(r.summary()["within_slo_settled"] for r in runs_)
+        cost = statistics.median(r.replica_s for r in runs_)
+        print(f"{name:<28} | {share:>17.1%} | {','.join(str(missed(r)) for r in runs_):<18} | {cost:>9.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
