@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable
 
 from benchmarks.tuning_load import Phase, StepLoad, run_figures, send_load, share_within
 from benchmarks.tuning_report import fold_repeats, json_safe, noise_check, print_table, row_text, setting, verdict
-from benchmarks.tuning_runs import DEFAULT_KNOBS, Server, calibrate, convergence_s, run_tuned
+from benchmarks.tuning_runs import START_KNOBS, Server, calibrate, convergence_s, run_tuned
 from iterserve.operator.tuning.policy import TuningPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,9 +143,9 @@ def make_load(args, speed: float = 1.0) -> StepLoad:
 
 
 def tuned_run(server: Server, load: StepLoad, policy: TuningPolicy, args) -> dict:
-    records, log = run_tuned(server, load, policy, DEFAULT_KNOBS, args.drain_s)
+    records, log = run_tuned(server, load, policy, START_KNOBS, args.drain_s)
     figures = run_figures(records, load, args.window_s, policy_slo(policy))
-    trajectory = log.trajectory(DEFAULT_KNOBS)
+    trajectory = log.trajectory(START_KNOBS)
     conv = convergence_s(trajectory, args.window_s, load.duration_s, policy)
     figures.update(trajectory=trajectory, convergence_s=conv, ticks=log.ticks, tuner_errors=log.errors[:20],
                    windows_within_slo_after_convergence=after_convergence(figures, conv))
@@ -160,7 +160,7 @@ def policy_slo(policy: TuningPolicy) -> dict[str, float]:
 
 
 def static_run(server: Server, load: StepLoad, seqs: int, chunk: int, args, slo: dict[str, float]) -> dict:
-    server.set_knobs(DEFAULT_KNOBS.replace(max_num_seqs=seqs, prefill_chunk_size=chunk))
+    server.set_knobs(START_KNOBS.replace(max_num_seqs=seqs, prefill_chunk_size=chunk))
     idle_s = server.wait_idle()
     figures = run_figures(send_load(server.url, load, args.drain_s), load, args.window_s, slo)
     print(f"static {seqs}/{chunk}: {row_text(figures)}", flush=True)

@@ -13,7 +13,7 @@ import math
 import statistics
 
 from benchmarks.tuning_load import num_good_before, share_decided
-from benchmarks.tuning_runs import DEFAULT_KNOBS
+from benchmarks.tuning_runs import START_KNOBS
 
 GOODPUT_TARGET = 1.1
 WINDOWS_TARGET = 0.99
@@ -119,7 +119,7 @@ def noise_check(tuned: dict, grid: list[dict]) -> dict | None:
     alone (the machine's speed from one run to the next). None when the grid lacks the default or the
     tuner moved at once."""
     until = next((k["t_s"] for k in tuned["trajectory"][1:]), None)
-    default = next((g for g in grid if setting(g) == (DEFAULT_KNOBS.max_num_seqs, DEFAULT_KNOBS.prefill_chunk_size)),
+    default = next((g for g in grid if setting(g) == (START_KNOBS.max_num_seqs, START_KNOBS.prefill_chunk_size)),
                    None)
     if not until or default is None:
         return None
@@ -160,7 +160,7 @@ def print_table(result: dict) -> None:
     print(f"{'configuration (max_num_seqs/chunk)':<36} {'good/sent':>16} {'windows in SLO':>16} "
           f"{'p99 TTFT ms':>11} {'p99 ITL ms':>10} {'load avg':>10}")
     rows = [(f"static {g['max_num_seqs']}/{g['prefill_chunk_size']}" + (" (best static)" if g is best else ""), g)
-            for g in grid] + [(f"tuned from {DEFAULT_KNOBS.max_num_seqs}/{DEFAULT_KNOBS.prefill_chunk_size}", tuned)]
+            for g in grid] + [(f"tuned from {START_KNOBS.max_num_seqs}/{START_KNOBS.prefill_chunk_size}", tuned)]
     for name, f in rows:
         good = spread(f, "num_good", lambda x: f"{x:g}") + f"/{f['num_requests']}"
         print(f"{name:<36} {good:>16} {spread(f, 'windows_within_slo', pct):>16} {ms(f['ttft_p99_ms']):>11} "
@@ -176,8 +176,8 @@ def print_table(result: dict) -> None:
     if check:
         print(f"noise check: until its first change ({check['until_s']:g} s) the tuned run had the default knobs; of "
               f"the {check['num_requests']} requests sent by then {check['tuned_good']} were good there, "
-              f"{check['static_default_good']} in the static {DEFAULT_KNOBS.max_num_seqs}/"
-              f"{DEFAULT_KNOBS.prefill_chunk_size} run (the same requests and knobs)")
+              f"{check['static_default_good']} in the static {START_KNOBS.max_num_seqs}/"
+              f"{START_KNOBS.prefill_chunk_size} run (the same requests and knobs)")
     speed, drifted = machine_speed(result)
     print(speed)
     if drifted:

@@ -34,7 +34,9 @@ from iterserve.operator.tuning.pod_admin import get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.tuner import Tuner
 
-DEFAULT_KNOBS = Knobs(max_num_seqs=64, max_num_batched_tokens=512, prefill_chunk_size=256)
+# where the tuned runs start: inside the tuner's default chunk bounds (16..512), which the servers' own
+# defaults (common/wire.py: a whole prompt in one step) are not
+START_KNOBS = Knobs(max_num_seqs=64, max_num_batched_tokens=512, prefill_chunk_size=256)
 
 
 def free_port() -> int:
@@ -97,7 +99,7 @@ class Server:
 def calibrate(server: Server, load: StepLoad, num_each: int = 2) -> dict:
     """Unloaded figures at the default knobs: `num_each` long and short requests of the load, one at a
     time after one to warm up. Returns the median TTFT of the long ones and the median inter-token gap, in ms."""
-    server.set_knobs(DEFAULT_KNOBS)
+    server.set_knobs(START_KNOBS)
     schedule = [spec for _, spec in load.schedule()]
     shorts = [s for s in schedule if s.kind == "short"]
     # the first short request warms the server up and is not counted
@@ -142,7 +144,7 @@ def _pair(k: Knobs) -> dict:
     return {"max_num_seqs": k.max_num_seqs, "prefill_chunk_size": k.prefill_chunk_size}
 
 
-def run_tuned(server: Server, load: StepLoad, policy: TuningPolicy, initial: Knobs = DEFAULT_KNOBS,
+def run_tuned(server: Server, load: StepLoad, policy: TuningPolicy, initial: Knobs = START_KNOBS,
               drain_s: float = 30.0) -> tuple[list[RequestRecord], TunerLog]:
     """The load from `initial` with the tuner ticking every `policy.interval_s` until the load ends."""
     server.set_knobs(initial)

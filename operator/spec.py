@@ -201,8 +201,8 @@ def parse_llmservice(body: dict[str, Any]) -> LLMService:
     spec = r.obj(body, "spec", "")  # path "" + ".spec" -> ".spec"; trimmed below
     p = "spec"
     model = _parse_model(r, r.obj(spec, "model", p), f"{p}.model")
-    engine = _parse_engine(r, r.obj(spec, "engine", p), f"{p}.engine")
     tuning = _parse_tuning(r, r.obj(spec, "tuning", p), f"{p}.tuning")
+    engine = _parse_engine(r, r.obj(spec, "engine", p), f"{p}.engine", tuning)
     slo = r.obj(spec, "slo", p)
     api_key = None
     if spec.get("apiKeySecretRef") is not None:
@@ -255,8 +255,8 @@ def _parse_model(r: _Reader, model: dict, p: str) -> ModelSource:
                        path=r.string(model, "path", p), pvc_name=r.string(model, "pvcName", p))
 
 
-def _parse_engine(r: _Reader, engine: dict, p: str) -> Engine:
-    knobs = {name: r.integer(engine, camel(name), p, default) for name, default in DEFAULT_KNOBS.items()}
+def _parse_engine(r: _Reader, engine: dict, p: str, tuning: Tuning) -> Engine:
+    knobs = {name: r.integer(engine, camel(name), p, initial_knob(name, tuning)) for name in DEFAULT_KNOBS}
     return Engine(
         knobs=knobs,
         dtype=r.string(engine, "dtype", p, "auto", DTYPES),
@@ -267,6 +267,16 @@ def _parse_engine(r: _Reader, engine: dict, p: str) -> Engine:
         threads=r.integer(engine, "threads", p, None, hi=1024),
         enable_prefix_caching=r.boolean(engine, "enablePrefixCaching", p, True),
     )
+
+
+def initial_knob(name: str, tuning: Tuning) -> int:
+    """A knob the spec leaves out starts at its default, moved into the tuner's bounds when tuning is auto
+    (bounds written for older, smaller defaults stay valid); one written outside them is an error."""
+    default = DEFAULT_KNOBS[name]
+    if tuning.mode != "auto":
+        return default
+    bound = tuning.bounds[name]
+    return max(bound.min, min(default, bound.max))
 
 
 def _parse_tuning(r: _Reader, tuning: dict, p: str) -> Tuning:

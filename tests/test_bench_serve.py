@@ -100,7 +100,7 @@ def test_closed_loop_cli_run_figures_plots_and_server_agreement(server, tmp_path
     data = json.loads((out / "results.json").read_text())
     assert data["interrupted"] is False and data["config"]["concurrency"] == 4
     assert data["server"]["settings"] == {"model": "SmolLM2-135M-Instruct", "max_model_len": 256, "max_num_seqs": 8,
-                                          "max_num_batched_tokens": 512, "prefill_chunk_size": 256,
+                                          "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048,
                                           "policy": "continuous"}
     (run,) = data["runs"]
     _assert_figures_match_records(run, slo)
@@ -109,7 +109,7 @@ def test_closed_loop_cli_run_figures_plots_and_server_agreement(server, tmp_path
     server_side = run["server_metrics"]
     assert server_side["preemptions"] == 0 and server_side["generation_tokens"] == 12 * OUTPUT_LEN
     assert server_side["knobs_before"] == server_side["knobs_after"] == {
-        "max_num_seqs": 8, "max_num_batched_tokens": 512, "prefill_chunk_size": 256}
+        "max_num_seqs": 8, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048}
     assert 0 < server_side["kv_cache_usage"]["max"] <= 1 and len(server_side["series"]["vllm:kv_cache_usage_perc"]) >= 3
     assert server_side["histograms"]["queue"]["count"] == 12
     # The bench's own before/after delta is this test's delta minus the one probe request sent first.

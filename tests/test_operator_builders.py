@@ -135,7 +135,7 @@ def test_live_knobs_come_from_the_configmap_not_the_template():
         var = re.fullmatch(r"\$\((\w+)\)", flag(c["args"], knob_flag)).group(1)
         ref = env[var]["valueFrom"]["configMapKeyRef"]
         assert ref["name"] == "chat-knobs" and ref["key"] in configmap["data"]
-    assert knobs_from_configmap(configmap) == {"max_num_seqs": 24, "max_num_batched_tokens": 512,
+    assert knobs_from_configmap(configmap) == {"max_num_seqs": 24, "max_num_batched_tokens": 2048,
                                                "prefill_chunk_size": 96}
     assert "24" not in c["args"] and "96" not in c["args"]
 

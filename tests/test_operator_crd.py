@@ -127,5 +127,5 @@ def apply_defaults(schema: dict, value):
 def test_crd_defaults_match_the_operators():
     minimal = {"metadata": {"name": "x", "namespace": "n", "uid": "u"}, "spec": {}}
     defaulted = apply_defaults(SCHEMA, copy.deepcopy(minimal))
-    assert defaulted["spec"]["engine"]["maxNumSeqs"] == 64  # defaulting reached the nested fields
+    assert defaulted["spec"]["engine"]["dtype"] == "auto"  # defaulting reached the nested fields
     assert parse_llmservice(defaulted) == parse_llmservice(minimal)

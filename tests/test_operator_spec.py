@@ -20,7 +20,7 @@ def test_empty_spec_gets_the_documented_defaults():
     svc = parse_llmservice(body({}))
     assert (svc.name, svc.namespace, svc.uid, svc.generation) == ("chat", "ns", "u1", 3)
     assert svc.model.source == "default" and svc.image == DEFAULT_IMAGE and svc.replicas == 1
-    assert svc.engine.knobs == {"max_num_seqs": 64, "max_num_batched_tokens": 512, "prefill_chunk_size": 256}
+    assert svc.engine.knobs == {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048}
     assert (svc.engine.dtype, svc.engine.policy, svc.engine.block_size) == ("auto", "continuous", 16)
     assert (svc.tuning.mode, svc.tuning.interval_seconds, svc.tuning.window_seconds) == ("off", 30, 60)
     assert svc.drain_timeout_seconds == 30 and svc.api_key is None
@@ -40,7 +40,8 @@ INVALID = [
     ({"replicas": -1}, "spec.replicas", "must be in [0, 1000]"),
     ({"tuning": {"bounds": {"maxNumSeqs": {"min": 8, "max": 4}}}}, "spec.tuning.bounds.maxNumSeqs",
      "min 8 is above max 4"),
-    ({"tuning": {"mode": "auto", "bounds": {"prefillChunkSize": {"max": 128}}}, "slo": {"ttftP99Ms": 500}},
+    ({"tuning": {"mode": "auto", "bounds": {"prefillChunkSize": {"max": 128}}}, "slo": {"ttftP99Ms": 500},
+      "engine": {"prefillChunkSize": 256}},
      "spec.engine.prefillChunkSize",
      "within spec.tuning.bounds.prefillChunkSize [1, 128] when tuning is auto, got 256"),
     ({"tuning": {"mode": "auto"}}, "spec.slo", "ttftP99Ms"),
@@ -106,6 +107,19 @@ def test_auto_tuning_within_bounds_is_valid():
     svc = parse_llmservice(body({"slo": {"itlP99Ms": 100}, "engine": {"maxNumSeqs": 8},
                                  "tuning": {"mode": "auto", "bounds": {"maxNumSeqs": {"min": 2, "max": 8}}}}))
     assert svc.tuning.bounds["max_num_seqs"].min == 2 and svc.itl_p99_ms == 100.0
+
+
+@pytest.mark.parametrize(("mode", "bounds", "engine", "expected"), [
+    ("off", {"prefillChunkSize": {"max": 512}}, {}, (64, 2048, 2048)),  # bounds only bind the tuner
+    ("auto", {}, {}, (64, 2048, 2048)),
+    ("auto", {"prefillChunkSize": {"min": 64, "max": 512}}, {}, (64, 2048, 512)),  # pulled down into the bounds
+    ("auto", {"maxNumSeqs": {"min": 96}}, {}, (96, 2048, 2048)),  # and up
+    ("auto", {"prefillChunkSize": {"max": 512}}, {"prefillChunkSize": 256}, (64, 2048, 256)),  # written: kept
+])
+def test_a_left_out_knob_starts_at_its_default_inside_the_tuners_bounds(mode, bounds, engine, expected):
+    svc = parse_llmservice(body({"slo": {"ttftP99Ms": 1000}, "engine": engine,
+                                 "tuning": {"mode": mode, "bounds": bounds}}))
+    assert tuple(svc.engine.knobs.values()) == expected
 
 
 AUTO = {"slo": {"ttftP99Ms": 1000}, "engine": {"maxNumSeqs": 16, "prefillChunkSize": 128},

@@ -74,12 +74,13 @@ def test_refused_patch_leaves_engine_unchanged(server, patch, param):
 
 
 def test_patch_is_logged_with_old_and_new(server, caplog):
+    old = knobs(server)["max_num_batched_tokens"]
     with caplog.at_level(logging.INFO, logger="iterserve.admin"):
         r = httpx.patch(server.url + "/admin/scheduler", json={"max_num_batched_tokens": 300}, headers=ADMIN)
     assert r.status_code == 200
-    assert r.json()["changed"] == {"max_num_batched_tokens": {"old": 512, "new": 300}}
-    assert "max_num_batched_tokens 512 -> 300" in caplog.text
-    httpx.patch(server.url + "/admin/scheduler", json={"max_num_batched_tokens": 512}, headers=ADMIN)
+    assert r.json()["changed"] == {"max_num_batched_tokens": {"old": old, "new": 300}}
+    assert f"max_num_batched_tokens {old} -> 300" in caplog.text
+    httpx.patch(server.url + "/admin/scheduler", json={"max_num_batched_tokens": old}, headers=ADMIN)
 
 
 def _run_batch(srv, patch: dict | None) -> list[list[str]]:
@@ -111,6 +112,7 @@ def test_patch_under_load_changes_batch_not_outputs(server):
         total = metric_value(text, "iterserve:step_sampled_requests_count")
         return total - metric_value(text, "iterserve:step_sampled_requests_bucket", le="2.0")
 
+    before = knobs(server)
     baseline = _run_batch(server, None)
     m0 = httpx.get(server.url + "/metrics").text
     assert wide_steps(m0) == 0  # max_num_seqs=2 held throughout
@@ -121,8 +123,7 @@ def test_patch_under_load_changes_batch_not_outputs(server):
     assert metric_value(m1, "iterserve:max_num_seqs") == 12
     assert metric_value(m1, "iterserve:prefill_chunk_size") == 8
     assert metric_value(m1, "iterserve:knob_changes_total") >= 1
-    httpx.patch(server.url + "/admin/scheduler", headers=ADMIN,
-                json={"max_num_seqs": 2, "prefill_chunk_size": 256, "max_num_batched_tokens": 512})
+    httpx.patch(server.url + "/admin/scheduler", headers=ADMIN, json=before)
 
 
 def test_admin_disabled_without_token(tiny_dir):
