@@ -30,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -45,18 +46,25 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+async def next_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """The stand-in's side of a connection: the head of its next request that is not a scrape (its body
+    read and dropped); a GET /metrics is answered here, with idle load gauges."""
+    while True:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"content-length: *(\d+)", head, re.I)
+        if length:
+            await reader.readexactly(int(length.group(1)))
+        if not head.startswith(b"GET /metrics"):
+            return head
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(METRICS), METRICS))
+
+
 async def stand_in(port: int, events: int, itl: float) -> None:
     async def handle(reader, writer):
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = re.search(rb"content-length: *(\d+)", head, re.I)
-                if length:
-                    await reader.readexactly(int(length.group(1)))
-                if head.startswith(b"GET /metrics"):
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(METRICS), METRICS))
-                    continue
+                await next_request(reader, writer)
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
                 for i in range(events):
@@ -89,21 +97,24 @@ async def _one(reader, writer, body: bytes) -> float:
             return first
 
 
-async def load(url_port: int, clients: int, seconds: float, body: bytes) -> list[float]:
-    """`clients` closed-loop connections for `seconds`: the first-event times of every request."""
-    times: list[float] = []
+async def load(url_port: int, clients: int, seconds: float, body: bytes) -> tuple[list[float], list[float]]:
+    """`clients` closed-loop connections for `seconds`: the first-event times of the first request on each
+    connection, and of the later ones (a new connection through the router may mean a new one to the pod)."""
+    first: list[float] = []
+    later: list[float] = []
     deadline = time.perf_counter() + seconds
 
     async def client():
         reader, writer = await asyncio.open_connection("127.0.0.1", url_port)
         try:
+            first.append(await _one(reader, writer, body))
             while time.perf_counter() < deadline:
-                times.append(await _one(reader, writer, body))
+                later.append(await _one(reader, writer, body))
         finally:
             writer.close()
 
     await asyncio.gather(*(client() for _ in range(clients)))
-    return times
+    return first, later
 
 
 def free_port() -> int:
@@ -113,9 +124,12 @@ def free_port() -> int:
 
 
 def start(cmd: list[str], port: int, cpu: str | None = None) -> subprocess.Popen:
+    """`cmd`, once it answers /metrics; its output goes to a temporary file, shown if it fails."""
     if cpu is not None:
         cmd = ["taskset", "-c", cpu, *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -140,6 +154,13 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def upstream_connections(port: int) -> float:
+    """The connections the router has opened to its pods so far (its own counter)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("iterserve:router_upstream_connections_total"))
+
+
 def router_histogram(port: int) -> str:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     lines = [line for line in text.splitlines() if line.startswith("iterserve:router_added_latency_seconds_")]
@@ -156,6 +177,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--seconds", type=float, default=8.0, help="length of each measured run")
     p.add_argument("--rps-clients", type=int, default=32)
+    p.add_argument("--router-args", default="",
+                   help="more `iterserve router` flags, e.g. '--backend-keep-alive-timeout 3' to compare a setting")
     p.add_argument("--router-cpu", default="0", help="the core the router is pinned to (taskset -c)")
     p.add_argument("--load-cpus", default=None,
                    help="the cores of the stand-ins and this client (taskset -c list; default: all but the router's)")
@@ -171,7 +194,7 @@ def main() -> int:
     up_port, fast_port, router_port, fast_router_port = free_port(), free_port(), free_port(), free_port()
     me = [sys.executable, os.path.abspath(__file__)]
     router = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "router", "--log-level", "warning",
-              "--host", "127.0.0.1"]
+              "--host", "127.0.0.1", *args.router_args.split()]
     procs = [start([*me, "--stand-in", str(up_port), "--events", str(args.events), "--itl", str(args.itl)], up_port),
              start([*me, "--stand-in", str(fast_port), "--events", "1", "--itl", "0"], fast_port)]
     try:
@@ -182,24 +205,36 @@ def main() -> int:
         body = b'{"model": "m", "prompt": "hello", "max_tokens": 32, "stream": true}'
         print(f"# router_overhead: {args.streams} concurrent streams of {args.events} SSE events {args.itl * 1e3:g} ms "
               f"apart from a STAND-IN upstream; {args.rounds} interleaved rounds of {args.seconds:g} s; "
-              f"router pinned to cpu {args.router_cpu}, stand-ins and client to {sorted(load_cpus)}; "
+              f"router pinned to cpu {args.router_cpu}{(' with ' + args.router_args) if args.router_args else ''}, "
+              f"stand-ins and client to {sorted(load_cpus)}; "
               f"{os.cpu_count()} cpus on this machine, load average {os.getloadavg()[0]:.1f} at the start "
               "(other work shares them: compare only within one run)")
         rows, cpu, streamed = [], 0.0, 0
         for r in range(args.rounds):  # A B A B: drift on a shared machine hits both sides alike
-            direct = asyncio.run(load(up_port, args.streams, args.seconds, body))
-            before = cpu_seconds(procs[2].pid)
-            routed = asyncio.run(load(router_port, args.streams, args.seconds, body))
-            cpu, streamed = cpu + cpu_seconds(procs[2].pid) - before, streamed + len(routed)
-            row = [pct(direct, .5), pct(direct, .99), pct(routed, .5), pct(routed, .99), len(direct), len(routed)]
+            d_first, d_later = asyncio.run(load(up_port, args.streams, args.seconds, body))
+            before, opened = cpu_seconds(procs[2].pid), upstream_connections(router_port)
+            r_first, r_later = asyncio.run(load(router_port, args.streams, args.seconds, body))
+            cpu, opened = cpu + cpu_seconds(procs[2].pid) - before, upstream_connections(router_port) - opened
+            direct, routed = d_first + d_later, r_first + r_later
+            streamed += len(routed)
+            row = [pct(direct, .5), pct(direct, .99), pct(routed, .5), pct(routed, .99),
+                   pct(d_first, .5), pct(d_first, .99), pct(r_first, .5), pct(r_first, .99),
+                   pct(d_later, .99), pct(r_later, .99), len(direct), len(routed), opened]
             rows.append(row)
             print(f"round {r}: first event direct p50 {row[0] * 1e3:.2f} p99 {row[1] * 1e3:.2f} ms | via router "
                   f"p50 {row[2] * 1e3:.2f} p99 {row[3] * 1e3:.2f} ms | added p50 {(row[2] - row[0]) * 1e3:.2f} "
-                  f"p99 {(row[3] - row[1]) * 1e3:.2f} ms ({row[4]} / {row[5]} requests)")
+                  f"p99 {(row[3] - row[1]) * 1e3:.2f} ms ({row[10]} / {row[11]} requests)")
+            print(f"  first request on a connection (of {args.streams}): direct p50 {row[4] * 1e3:.2f} p99 "
+                  f"{row[5] * 1e3:.2f} ms, via router p50 {row[6] * 1e3:.2f} p99 {row[7] * 1e3:.2f} ms | later "
+                  f"requests p99: direct {row[8] * 1e3:.2f}, via router {row[9] * 1e3:.2f} ms | connections the "
+                  f"router opened to the pod: {opened:.0f}")
         med = [statistics.median(col) for col in zip(*rows, strict=True)]
         print(f"median over rounds: added latency to the first event at {args.streams} streams: "
               f"p50 {(med[2] - med[0]) * 1e3:.2f} ms, p99 {(med[3] - med[1]) * 1e3:.2f} ms "
-              f"(direct p99 {med[1] * 1e3:.2f} ms, via router p99 {med[3] * 1e3:.2f} ms)")
+              f"(direct p99 {med[1] * 1e3:.2f} ms, via router p99 {med[3] * 1e3:.2f} ms); first request on a "
+              f"connection p99 direct {med[5] * 1e3:.2f}, via router {med[7] * 1e3:.2f} ms; later requests p99 "
+              f"direct {med[8] * 1e3:.2f}, via router {med[9] * 1e3:.2f} ms (added {(med[9] - med[8]) * 1e3:.2f} ms); "
+              f"connections the router opened to the pod, by round: {[int(row[12]) for row in rows]}")
         print(f"router CPU at {args.streams} streams: {cpu / (args.rounds * args.seconds) * 100:.0f}% of a core, "
               f"{cpu / streamed * 1e6:.0f} us per streamed request ({args.events + 1} chunks relayed each)")
         print("router's own added-latency histogram (seconds):\n" + router_histogram(router_port))
@@ -207,9 +242,9 @@ def main() -> int:
         one = b'{"model": "m", "prompt": "hello", "max_tokens": 1}'
         rates = []
         for _ in range(2):
-            direct = asyncio.run(load(fast_port, args.rps_clients, args.seconds, one))
+            direct = sum(asyncio.run(load(fast_port, args.rps_clients, args.seconds, one)), [])
             before = cpu_seconds(procs[3].pid)
-            routed = asyncio.run(load(fast_router_port, args.rps_clients, args.seconds, one))
+            routed = sum(asyncio.run(load(fast_router_port, args.rps_clients, args.seconds, one)), [])
             used = cpu_seconds(procs[3].pid) - before
             rates.append((len(direct) / args.seconds, len(routed) / args.seconds, len(routed) / used))
         d, r, per_cpu = (statistics.median(c) for c in zip(*rates, strict=True))
@@ -218,6 +253,10 @@ def main() -> int:
               f"{per_cpu:.0f} requests per second of the router's CPU time (a core of its own would carry that)")
     finally:
         for proc in procs:
+            if proc.poll() is not None:  # it died during the run: say why
+                proc.log.seek(0)
+                print(f"{proc.args} exited with {proc.returncode}:\n{proc.log.read()[-4000:].decode()}",
+                      file=sys.stderr)
             proc.terminate()
         for proc in procs:
             proc.wait(10)
