@@ -173,7 +173,7 @@ def router_histogram(port: int) -> str:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     lines = [line for line in text.splitlines() if line.startswith("iterserve:router_added_latency_seconds_")]
     return "\n".join("    " + line for line in lines if "_sum" in line or "_count" in line or
-                     any(f'le="{b}"' in line for b in ("0.0005", "0.001", "0.002", "0.005")))
+                     any(f'le="{b}"' in line for b in ("0.0005", "0.001", "0.002", "0.005", "0.01", "0.02", "0.05")))
 
 
 def stats(first: list[float], later: list[float]) -> dict[str, float]:
