@@ -9,10 +9,12 @@ is routable) and `/metrics` (its own) itself.
 
 Failures: a pod that refuses the connection is marked down and the request goes to another pod; so does
 one that drops the connection before its response head, or answers 503 `draining` (nothing was started
-there). A pod's own answers, errors included, pass through unchanged. Once the response has started, a
-pod that fails cuts the client's connection too, so a client never takes a truncated stream for a whole
-one. A client that disconnects cancels its handler (the server runs with handler cancellation), which
-closes the pod's connection and so aborts the request there.
+there). A pooled connection that the pod closed as the request went out on it is not a failed pod: the
+request goes again to the same pod on another connection. A pod's own answers, errors included, pass
+through unchanged. Once the response has started, a pod that fails cuts the client's connection too, so
+a client never takes a truncated stream for a whole one. A client that disconnects cancels its handler
+(the server runs with handler cancellation), which closes the pod's connection and so aborts the request
+there.
 """
 
 from __future__ import annotations
