@@ -8,7 +8,12 @@ connections, for the same reason.
 
 1. Added latency: `--streams` clients loop on streaming requests, directly to the stand-in and through the
    router, interleaved (A B A B); the time to the first SSE event is compared (p50, p99 of each, and their
-   differences, medians over the rounds). The router's own histogram of what it adds is printed too.
+   differences, medians over the rounds), and split: the first request on each client connection (a new
+   connection to the router, which may open a new one to the pod) against the later ones; the
+   connections the router opened to the pod in each round come from its own counter. `--baseline-args`
+   measures a second router with other flags in the same rounds (e.g. `--backend-keep-alive-timeout 3`,
+   the 3 s pool the router once kept, which opened a connection for every stream of every round).
+   The router's own histogram of what it adds is printed too.
    The router is pinned to one core (taskset) and the stand-ins and this client to the others, so that
    the router's work and the load generator's do not queue behind each other.
 2. Throughput: the router pinned to one core takes non-streaming requests from `--rps-clients`
@@ -18,6 +23,7 @@ connections, for the same reason.
    which is what a core of its own carries, however long the router waited for its core on a busy machine.
 
     python benchmarks/router_overhead.py            # defaults: 100 streams, 4 rounds
+    python benchmarks/router_overhead.py --baseline-args "--backend-keep-alive-timeout 3"
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -45,18 +52,25 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+async def next_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """The stand-in's side of a connection: the head of its next request that is not a scrape (its body
+    read and dropped); a GET /metrics is answered here, with idle load gauges."""
+    while True:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"content-length: *(\d+)", head, re.I)
+        if length:
+            await reader.readexactly(int(length.group(1)))
+        if not head.startswith(b"GET /metrics"):
+            return head
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(METRICS), METRICS))
+
+
 async def stand_in(port: int, events: int, itl: float) -> None:
     async def handle(reader, writer):
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = re.search(rb"content-length: *(\d+)", head, re.I)
-                if length:
-                    await reader.readexactly(int(length.group(1)))
-                if head.startswith(b"GET /metrics"):
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(METRICS), METRICS))
-                    continue
+                await next_request(reader, writer)
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
                 for i in range(events):
@@ -83,27 +97,32 @@ async def _one(reader, writer, body: bytes) -> float:
         if not data:
             raise ConnectionError("closed mid-response")
         buf += data
+        if len(buf) >= 12 and not buf.startswith(b"HTTP/1.1 200"):  # an error (503 no_pods) is no stream
+            raise RuntimeError(f"answered {buf[:300]!r}")
         if first is None and b"data:" in buf:
             first = time.perf_counter() - start
         if buf.endswith(b"0\r\n\r\n") and b"[DONE]" in buf:
             return first
 
 
-async def load(url_port: int, clients: int, seconds: float, body: bytes) -> list[float]:
-    """`clients` closed-loop connections for `seconds`: the first-event times of every request."""
-    times: list[float] = []
+async def load(url_port: int, clients: int, seconds: float, body: bytes) -> tuple[list[float], list[float]]:
+    """`clients` closed-loop connections for `seconds`: the first-event times of the first request on each
+    connection, and of the later ones (a new connection through the router may mean a new one to the pod)."""
+    first: list[float] = []
+    later: list[float] = []
     deadline = time.perf_counter() + seconds
 
     async def client():
         reader, writer = await asyncio.open_connection("127.0.0.1", url_port)
         try:
+            first.append(await _one(reader, writer, body))
             while time.perf_counter() < deadline:
-                times.append(await _one(reader, writer, body))
+                later.append(await _one(reader, writer, body))
         finally:
             writer.close()
 
     await asyncio.gather(*(client() for _ in range(clients)))
-    return times
+    return first, later
 
 
 def free_port() -> int:
@@ -113,9 +132,12 @@ def free_port() -> int:
 
 
 def start(cmd: list[str], port: int, cpu: str | None = None) -> subprocess.Popen:
+    """`cmd`, once it answers /metrics; its output goes to a temporary file, shown if it fails."""
     if cpu is not None:
         cmd = ["taskset", "-c", cpu, *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -140,11 +162,64 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def upstream_connections(port: int) -> float:
+    """The connections the router has opened to its pods so far (its own counter)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("iterserve:router_upstream_connections_total"))
+
+
 def router_histogram(port: int) -> str:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     lines = [line for line in text.splitlines() if line.startswith("iterserve:router_added_latency_seconds_")]
     return "\n".join("    " + line for line in lines if "_sum" in line or "_count" in line or
-                     any(f'le="{b}"' in line for b in ("0.0005", "0.001", "0.002", "0.005")))
+                     any(f'le="{b}"' in line for b in ("0.0005", "0.001", "0.002", "0.005", "0.01", "0.02", "0.05")))
+
+
+def stats(first: list[float], later: list[float]) -> dict[str, float]:
+    every = first + later
+    return {"p50": pct(every, .5), "p99": pct(every, .99), "first_p99": pct(first, .99),
+            "later_p99": pct(later, .99), "n": len(every)}
+
+
+def describe(row: dict[str, dict[str, float]]) -> str:
+    """One round's (or the medians') figures: direct, then each router's with what it adds, in ms."""
+    d = row["direct"]
+    out = [f"direct p50 {d['p50'] * 1e3:.2f} p99 {d['p99'] * 1e3:.2f}"]
+    for label, r in row.items():
+        if label != "direct":
+            out.append(f"{label} p50 {r['p50'] * 1e3:.2f} p99 {r['p99'] * 1e3:.2f}, added p50 "
+                       f"{(r['p50'] - d['p50']) * 1e3:.2f} p99 {(r['p99'] - d['p99']) * 1e3:.2f} (first request on a "
+                       f"connection p99 {r['first_p99'] * 1e3:.2f} vs {d['first_p99'] * 1e3:.2f} direct; later "
+                       f"ones {r['later_p99'] * 1e3:.2f} vs {d['later_p99'] * 1e3:.2f}; {r['opened']:.0f} new "
+                       "connections to the pod)")
+    return " | ".join(out) + " ms"
+
+
+def stream_rounds(args, up_port: int, routers: dict[str, tuple[subprocess.Popen, int]]) -> None:
+    """Added latency to the first SSE event: each round runs direct, then through each router (A B A B:
+    drift on a shared machine hits every side alike); per round, medians, and each router's CPU time."""
+    body = b'{"model": "m", "prompt": "hello", "max_tokens": 32, "stream": true}'
+    rows: list[dict[str, dict[str, float]]] = []
+    cpu = dict.fromkeys(routers, 0.0)
+    for r in range(args.rounds):
+        row = {"direct": stats(*asyncio.run(load(up_port, args.streams, args.seconds, body)))}
+        for label in (list(routers) if r % 2 == 0 else list(routers)[::-1]):  # each router first in turn
+            proc, port = routers[label]
+            before, opened = cpu_seconds(proc.pid), upstream_connections(port)
+            row[label] = stats(*asyncio.run(load(port, args.streams, args.seconds, body)))
+            cpu[label] += cpu_seconds(proc.pid) - before
+            row[label]["opened"] = upstream_connections(port) - opened
+        rows.append(row)
+        print(f"round {r}: {describe(row)}")
+    med = {side: {k: statistics.median(row[side][k] for row in rows) for k in rows[0][side]} for side in rows[0]}
+    print(f"median over rounds, {args.streams} streams: {describe(med)}")
+    for label, (_, port) in routers.items():
+        streamed = sum(row[label]["n"] for row in rows)
+        print(f"{label}: new connections to the pod by round {[int(row[label]['opened']) for row in rows]}; CPU "
+              f"{cpu[label] / (args.rounds * args.seconds) * 100:.0f}% of a core, {cpu[label] / streamed * 1e6:.0f} us "
+              f"per streamed request ({args.events + 1} chunks relayed each); its own added-latency histogram "
+              f"(seconds):\n{router_histogram(port)}")
 
 
 def main() -> int:
@@ -156,6 +231,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--seconds", type=float, default=8.0, help="length of each measured run")
     p.add_argument("--rps-clients", type=int, default=32)
+    p.add_argument("--router-args", default="", help="more `iterserve router` flags for the router measured")
+    p.add_argument("--baseline-args", default=None,
+                   help="also measure a second router with these flags, interleaved in the same rounds (e.g. "
+                        "'--backend-keep-alive-timeout 3', the pool the router kept before)")
     p.add_argument("--router-cpu", default="0", help="the core the router is pinned to (taskset -c)")
     p.add_argument("--load-cpus", default=None,
                    help="the cores of the stand-ins and this client (taskset -c list; default: all but the router's)")
@@ -168,49 +247,38 @@ def main() -> int:
     load_cpus = ({int(c) for c in args.load_cpus.split(",")} if args.load_cpus else
                  os.sched_getaffinity(0) - router_cpus) or os.sched_getaffinity(0)
     os.sched_setaffinity(0, load_cpus)  # this client; the stand-ins inherit it
-    up_port, fast_port, router_port, fast_router_port = free_port(), free_port(), free_port(), free_port()
+    up_port, fast_port, fast_router_port = free_port(), free_port(), free_port()
     me = [sys.executable, os.path.abspath(__file__)]
     router = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "router", "--log-level", "warning",
               "--host", "127.0.0.1"]
     procs = [start([*me, "--stand-in", str(up_port), "--events", str(args.events), "--itl", str(args.itl)], up_port),
              start([*me, "--stand-in", str(fast_port), "--events", "1", "--itl", "0"], fast_port)]
     try:
-        procs.append(start([*router, "--port", str(router_port), "--endpoints", f"http://127.0.0.1:{up_port}"],
-                           router_port, args.router_cpu))
-        procs.append(start([*router, "--port", str(fast_router_port),
+        flags = {"router": args.router_args} | ({"baseline": args.baseline_args} if args.baseline_args is not None
+                                                 else {})
+        routers = {}
+        for label, extra in flags.items():
+            port = free_port()
+            procs.append(start([*router, *extra.split(), "--port", str(port), "--endpoints",
+                                f"http://127.0.0.1:{up_port}"], port, args.router_cpu))
+            routers[label] = (procs[-1], port)
+        procs.append(start([*router, *args.router_args.split(), "--port", str(fast_router_port),
                             "--endpoints", f"http://127.0.0.1:{fast_port}"], fast_router_port, args.router_cpu))
-        body = b'{"model": "m", "prompt": "hello", "max_tokens": 32, "stream": true}'
         print(f"# router_overhead: {args.streams} concurrent streams of {args.events} SSE events {args.itl * 1e3:g} ms "
-              f"apart from a STAND-IN upstream; {args.rounds} interleaved rounds of {args.seconds:g} s; "
-              f"router pinned to cpu {args.router_cpu}, stand-ins and client to {sorted(load_cpus)}; "
-              f"{os.cpu_count()} cpus on this machine, load average {os.getloadavg()[0]:.1f} at the start "
-              "(other work shares them: compare only within one run)")
-        rows, cpu, streamed = [], 0.0, 0
-        for r in range(args.rounds):  # A B A B: drift on a shared machine hits both sides alike
-            direct = asyncio.run(load(up_port, args.streams, args.seconds, body))
-            before = cpu_seconds(procs[2].pid)
-            routed = asyncio.run(load(router_port, args.streams, args.seconds, body))
-            cpu, streamed = cpu + cpu_seconds(procs[2].pid) - before, streamed + len(routed)
-            row = [pct(direct, .5), pct(direct, .99), pct(routed, .5), pct(routed, .99), len(direct), len(routed)]
-            rows.append(row)
-            print(f"round {r}: first event direct p50 {row[0] * 1e3:.2f} p99 {row[1] * 1e3:.2f} ms | via router "
-                  f"p50 {row[2] * 1e3:.2f} p99 {row[3] * 1e3:.2f} ms | added p50 {(row[2] - row[0]) * 1e3:.2f} "
-                  f"p99 {(row[3] - row[1]) * 1e3:.2f} ms ({row[4]} / {row[5]} requests)")
-        med = [statistics.median(col) for col in zip(*rows, strict=True)]
-        print(f"median over rounds: added latency to the first event at {args.streams} streams: "
-              f"p50 {(med[2] - med[0]) * 1e3:.2f} ms, p99 {(med[3] - med[1]) * 1e3:.2f} ms "
-              f"(direct p99 {med[1] * 1e3:.2f} ms, via router p99 {med[3] * 1e3:.2f} ms)")
-        print(f"router CPU at {args.streams} streams: {cpu / (args.rounds * args.seconds) * 100:.0f}% of a core, "
-              f"{cpu / streamed * 1e6:.0f} us per streamed request ({args.events + 1} chunks relayed each)")
-        print("router's own added-latency histogram (seconds):\n" + router_histogram(router_port))
+              f"apart from a STAND-IN upstream; {args.rounds} interleaved rounds of {args.seconds:g} s; routers "
+              f"{ {label: extra or '(defaults)' for label, extra in flags.items()} } pinned to cpu {args.router_cpu}, "
+              f"stand-ins and client to {sorted(load_cpus)}; {os.cpu_count()} cpus on this machine, load average "
+              f"{os.getloadavg()[0]:.1f} at the start (other work shares them: compare only within one run); "
+              "latencies to the first SSE event")
+        stream_rounds(args, up_port, routers)
 
         one = b'{"model": "m", "prompt": "hello", "max_tokens": 1}'
         rates = []
         for _ in range(2):
-            direct = asyncio.run(load(fast_port, args.rps_clients, args.seconds, one))
-            before = cpu_seconds(procs[3].pid)
-            routed = asyncio.run(load(fast_router_port, args.rps_clients, args.seconds, one))
-            used = cpu_seconds(procs[3].pid) - before
+            direct = sum(asyncio.run(load(fast_port, args.rps_clients, args.seconds, one)), [])
+            before = cpu_seconds(procs[-1].pid)
+            routed = sum(asyncio.run(load(fast_router_port, args.rps_clients, args.seconds, one)), [])
+            used = cpu_seconds(procs[-1].pid) - before
             rates.append((len(direct) / args.seconds, len(routed) / args.seconds, len(routed) / used))
         d, r, per_cpu = (statistics.median(c) for c in zip(*rates, strict=True))
         print(f"throughput, {args.rps_clients} closed-loop clients, one-event responses: router on one core "
@@ -218,6 +286,10 @@ def main() -> int:
               f"{per_cpu:.0f} requests per second of the router's CPU time (a core of its own would carry that)")
     finally:
         for proc in procs:
+            if proc.poll() is not None:  # it died during the run: say why
+                proc.log.seek(0)
+                print(f"{proc.args} exited with {proc.returncode}:\n{proc.log.read()[-4000:].decode()}",
+                      file=sys.stderr)
             proc.terminate()
         for proc in procs:
             proc.wait(10)

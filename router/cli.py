@@ -44,6 +44,11 @@ def register(sub) -> None:
                    help="seconds between scrapes of each pod's /metrics (its load and health)")
     p.add_argument("--connect-timeout", type=_positive(float), default=2.0,
                    help="seconds to connect to a pod before trying another")
+    p.add_argument("--backend-keep-alive-timeout", type=_positive(float), default=60.0,
+                   help="seconds an idle connection to a pod is kept for a later request (default 60); keep it "
+                        "below the pods' own keep-alive (`iterserve serve --keep-alive-timeout`, 75 by default; "
+                        "vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 by default) so that the router closes idle "
+                        "connections, not the pod")
     p.add_argument("--workers", type=_positive(int), default=1,
                    help="router processes sharing the port (SO_REUSEPORT), each with its own pod scrapes and "
                         "in-flight counts; one carries thousands of requests/s (docs/router.md)")
@@ -63,7 +68,7 @@ def build_router(args):
     discovery = Discovery(endpoints, args.dns_name, port=args.backend_port)
     return Router(PodSet(discovery, interval=args.scrape_interval), args.policy,
                   make_policy(args.policy, args.load_factor), prefix_chars=args.prefix_chars,
-                  connect_timeout=args.connect_timeout)
+                  connect_timeout=args.connect_timeout, idle_timeout=args.backend_keep_alive_timeout)
 
 
 def run(args) -> int:

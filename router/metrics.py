@@ -50,6 +50,9 @@ class RouterMetrics:
         self.upstream_failures = Counter("iterserve:router_upstream_failures", "Pod connections that failed "
                                          "before any response byte, by reason.", ["pod", "reason"],
                                          registry=self.registry)
+        self.connections = Counter("iterserve:router_upstream_connections", "Connections opened to each pod "
+                                   "(a request that finds an idle one in the pool opens none).", ["pod"],
+                                   registry=self.registry)
         self.added = Histogram("iterserve:router_added_latency_seconds", "Latency the router adds, by stage: "
                                "to_upstream (arrival -> request sent to the pod), to_client (pod's response head "
                                "-> head sent to the client).", ["stage"], buckets=LATENCY_BUCKETS,

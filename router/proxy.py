@@ -9,10 +9,12 @@ is routable) and `/metrics` (its own) itself.
 
 Failures: a pod that refuses the connection is marked down and the request goes to another pod; so does
 one that drops the connection before its response head, or answers 503 `draining` (nothing was started
-there). A pod's own answers, errors included, pass through unchanged. Once the response has started, a
-pod that fails cuts the client's connection too, so a client never takes a truncated stream for a whole
-one. A client that disconnects cancels its handler (the server runs with handler cancellation), which
-closes the pod's connection and so aborts the request there.
+there). A pooled connection that the pod closed as the request went out on it is not a failed pod: the
+request goes again to the same pod on another connection. A pod's own answers, errors included, pass
+through unchanged. Once the response has started, a pod that fails cuts the client's connection too, so
+a client never takes a truncated stream for a whole one. A client that disconnects cancels its handler
+(the server runs with handler cancellation), which closes the pod's connection and so aborts the request
+there.
 """
 
 from __future__ import annotations
@@ -54,8 +56,27 @@ def _error(status: int, message: str, code: str) -> web.Response:
     return web.Response(status=status, text=body, content_type=_JSON)
 
 
+class _Try:
+    """What aiohttp's trace signals tell about one request to a pod: when it was on the wire, and whether
+    it took an idle pooled connection or opened one."""
+
+    __slots__ = ("sent_at", "reused", "opened")
+
+    def __init__(self) -> None:
+        self.sent_at: float | None = None
+        self.reused = self.opened = False
+
+
 async def _sent(session, ctx, params) -> None:
-    ctx.trace_request_ctx.append(time.perf_counter())  # the request's head (and small body) is on the wire
+    ctx.trace_request_ctx.sent_at = time.perf_counter()  # the request's head (and small body) is on the wire
+
+
+async def _reused(session, ctx, params) -> None:
+    ctx.trace_request_ctx.reused = True
+
+
+async def _opened(session, ctx, params) -> None:
+    ctx.trace_request_ctx.opened = True
 
 
 def _draining(body: bytes) -> bool:
@@ -67,14 +88,15 @@ def _draining(body: bytes) -> bool:
 
 class Router:
     def __init__(self, pods: PodSet, policy_name: str, policy, *, prefix_chars: int = 256,
-                 connect_timeout: float = 2.0, max_request_bytes: int = 32 * 2**20, max_retries: int = 3) -> None:
+                 connect_timeout: float = 2.0, idle_timeout: float = 60.0, max_request_bytes: int = 32 * 2**20,
+                 max_retries: int = 3) -> None:
         self.pods, self.policy_name, self.policy = pods, policy_name, policy
+        self.idle_timeout = idle_timeout
         self.keyed = policy_name == "prefix-hash"  # least-load never reads the body
         self.prefix_chars, self.max_request_bytes, self.max_retries = prefix_chars, max_request_bytes, max_retries
         self.any_pod = LeastLoad()
         self.metrics = RouterMetrics(pods)
-        # no read timeout: a long generation streams for minutes; keep-alive shorter than the pods' 5 s, so
-        # the router never reuses a connection the pod is closing; the body passes through as the pod sent it
+        # no read timeout: a long generation streams for minutes; the body passes through as the pod sent it
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
         self.session: aiohttp.ClientSession | None = None
 
@@ -83,8 +105,14 @@ class Router:
         await self.pods.start()
         trace = aiohttp.TraceConfig()
         trace.on_request_headers_sent.append(_sent)
+        trace.on_connection_reuseconn.append(_reused)
+        trace.on_connection_create_end.append(_opened)
+        # idle connections to the pods are kept `idle_timeout` s, across the gaps of ordinary traffic: a burst
+        # after a lull then finds them open instead of paying a connect each. The pods keep theirs longer
+        # (`iterserve serve --keep-alive-timeout`, 75 s), so the router, not the pod, closes an idle one;
+        # a pod that closes one as it is reused anyway (another server, a shorter setting) costs a retry
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0), timeout=self._timeout,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.idle_timeout), timeout=self._timeout,
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),
             trace_configs=[trace])
 
@@ -157,23 +185,46 @@ class Router:
 
     async def _attempt(self, pod, request, headers, body, arrived) -> web.StreamResponse | None:
         """One try on `pod`: None when nothing reached the client and another pod may take the request."""
-        sent_at: list[float] = []
         assert self.session is not None, "requests arrive only between start() and stop()"
-        try:
-            response = await self.session.request(request.method, pod.url + request.raw_path, headers=headers,
-                                                  data=body, allow_redirects=False, trace_request_ctx=sent_at)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-            self.metrics.upstream_failures.labels(pod.url, "connect").inc()
-            self.pods.mark_down(pod, f"connect: {type(e).__name__}")
-            return None
-        except aiohttp.ClientError as e:  # it dropped the connection before answering: nothing was sent on
-            self.metrics.upstream_failures.labels(pod.url, type(e).__name__).inc()
-            logger.warning("pod %s dropped a request before answering (%r); retrying elsewhere", pod.url, e)
-            return None
+        for _ in range(self.max_retries + 1):
+            attempt = _Try()
+            try:
+                response = await self.session.request(request.method, pod.url + request.raw_path, headers=headers,
+                                                      data=body, allow_redirects=False, trace_request_ctx=attempt)
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                self.metrics.upstream_failures.labels(pod.url, "connect").inc()
+                self.pods.mark_down(pod, f"connect: {type(e).__name__}")
+                return None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                if not attempt.reused:
+                    self._dropped(pod, e)
+                    return None
+                # a pooled connection the pod closed while idle, as the request went out (the race every
+                # proxy with kept-alive upstreams has): the pod read nothing; again on the same pod, whose
+                # load the policy chose it for, on another connection (aiohttp retries only idempotent methods)
+                self.metrics.upstream_failures.labels(pod.url, "stale_connection").inc()
+                continue
+            except aiohttp.ClientError as e:
+                self._dropped(pod, e)
+                return None
+            finally:
+                if attempt.opened:
+                    self.metrics.connections.labels(pod.url).inc()
+            return await self._answer(response, attempt, pod, request, arrived)
+        return None
+
+    def _dropped(self, pod, e: aiohttp.ClientError) -> None:
+        """It dropped the connection before answering: nothing was sent on, another pod may take it."""
+        self.metrics.upstream_failures.labels(pod.url, type(e).__name__).inc()
+        logger.warning("pod %s dropped a request before answering (%r); retrying elsewhere", pod.url, e)
+
+    async def _answer(self, response: aiohttp.ClientResponse, attempt: _Try, pod, request, arrived: float
+                      ) -> web.StreamResponse | None:
+        """The pod's answer relayed, or None when it is draining (nothing was started there)."""
         done = False
         try:
-            if sent_at:
-                self.metrics.to_upstream.observe(sent_at[0] - arrived)
+            if attempt.sent_at is not None:
+                self.metrics.to_upstream.observe(attempt.sent_at - arrived)
             read = await response.read() if response.status == 503 else None  # one small JSON error
             if read is not None and _draining(read):
                 self.metrics.upstream_failures.labels(pod.url, "draining").inc()

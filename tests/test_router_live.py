@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import os
 import signal
+import time
 
 import httpx
 import openai
@@ -205,6 +206,24 @@ def test_discovery_by_dns_name(pods):
         assert routed(router, pods[0]) == 1
     finally:
         stop(proc)
+
+
+def test_a_connection_to_a_pod_outlives_a_pause_in_traffic(pods):
+    """The router keeps an idle connection to a pod 60 s, and the pod keeps it 75 s (its default): a
+    request after a pause longer than a few seconds takes the same connection instead of opening one."""
+    proc, router = start_router(pods[0])
+    try:
+        wait_healthy(router, pods[0])
+        client = _client(router)
+        assert client.completions.create(model="m", prompt="before", max_tokens=2).usage.completion_tokens == 2
+        time.sleep(6)  # longer than the pods' former 5 s keep-alive and the router's former 3 s pool
+        assert client.completions.create(model="m", prompt="after", max_tokens=2).usage.completion_tokens == 2
+        text = httpx.get(router + "/metrics").text
+        assert metric_value(text, "iterserve:router_upstream_connections_total", pod=pods[0]) == 1
+        assert routed(router, pods[0]) == 2
+    finally:
+        out = stop(proc)
+    assert "Traceback" not in out, out
 
 
 def _spawned_workers(pid: int) -> list[int]:

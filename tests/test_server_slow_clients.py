@@ -82,6 +82,16 @@ def test_a_kept_alive_connection_must_finish_its_next_head(server):
     assert cutoffs(server, "header_timeout") == before + 1
 
 
+def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(long_tiny_dir):
+    # the default is long (75 s: longer than a proxy's idle pool), but an idle connection still closes;
+    # the head timeout is longer here, so only the keep-alive timeout can close it
+    limits = ServerLimits(header_timeout=600, keep_alive_timeout=1)
+    with InProcessServer(long_tiny_dir, model_name=MODEL, limits=limits) as srv, connect(srv) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = read_until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}'), answer
+
+
 def test_a_body_that_never_ends_gets_408(server):
     before = cutoffs(server, "body_timeout")
     with connect(server) as sock:

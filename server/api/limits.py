@@ -27,7 +27,10 @@ class ServerLimits:
     max_prompt_tokens: int | None = None
     header_timeout: float = 10.0  # from the connection's opening, or a kept-alive one's first byte
     body_timeout: float = 30.0  # from the end of the head to the last byte of the body
-    keep_alive_timeout: float = 5.0  # an idle kept-alive connection is closed after this
+    # an idle kept-alive connection is closed after this; longer than the router's (and most proxies')
+    # 60 s pool, so that a proxy closes its idle connections before the pod does and never sends a request
+    # on one the pod is closing (nginx's own default is 75 s too). A partial head still gets header_timeout.
+    keep_alive_timeout: float = 75.0
     stall_timeout: float = 30.0  # a response nobody reads for this long is cut off
     max_buffered_tokens: int = 2048  # tokens of one choice waiting for a reader that has stopped reading
 

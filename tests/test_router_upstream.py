@@ -1,0 +1,124 @@
+"""The router's connections to a pod: a pooled connection that the pod closes just as the router reuses
+it (the race of every proxy with kept-alive upstreams) is retried on the same pod on a new connection,
+and the client never sees it; a pod that drops a request on a connection just opened is not tried again.
+
+The pod here is a STAND-IN, a raw asyncio HTTP server in a thread of this test: closing a kept-alive
+connection at the moment a request arrives on it is a race with a real server, which this one makes
+happen on every request after a connection's first. The router is the real `iterserve router`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from benchmarks.router_overhead import next_request
+from tests.router_support import start_router, stop, wait_healthy
+from tests.server_support import free_port, metric_value
+
+ANSWER = b'{"id": "cmpl-standin", "object": "text_completion", "choices": [{"index": 0, "text": " ok"}]}'
+
+
+class StandInPod:
+    """Answers /metrics always (as the benchmark's stand-in does), and a POST only when it is the first
+    one on its connection (`drop_all`: never); a later POST is read and its connection closed (`reset`:
+    aborted, an RST) without an answer."""
+
+    def __init__(self, reset: bool = False, drop_all: bool = False) -> None:
+        self.reset, self.drop_all = reset, drop_all
+        self.port, self.posts, self.dropped = free_port(), 0, 0
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StandInPod:
+        self._thread.start()
+        assert self._ready.wait(10), "the stand-in did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+        server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        posts_here = 0
+        try:
+            while True:
+                await next_request(reader, writer)
+                self.posts, posts_here = self.posts + 1, posts_here + 1
+                if self.drop_all or posts_here > 1:
+                    self.dropped += 1
+                    writer.transport.abort() if self.reset else writer.close()
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(ANSWER), ANSWER))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+def test_the_pods_keep_idle_connections_longer_than_the_router():
+    """A backend must keep an idle connection longer than the proxy in front of it, or the proxy sends
+    requests on connections the backend is closing (the 502 race of nginx and load balancers)."""
+    import argparse
+
+    from iterserve.router.cli import register
+    from iterserve.server.api.limits import ServerLimits
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    router = parser.parse_args(["router", "--endpoints", "http://a:8000"])
+    assert ServerLimits().keep_alive_timeout > router.backend_keep_alive_timeout
+
+
+def _metric(router: str, name: str, **labels) -> float:
+    try:
+        return metric_value(httpx.get(router + "/metrics").text, name, **labels)
+    except KeyError:
+        return 0.0
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_pooled_connection_the_pod_closed_is_retried_on_a_new_one(reset):
+    with StandInPod(reset=reset) as pod:
+        proc, router = start_router(pod.url)
+        try:
+            wait_healthy(router, pod.url)
+            for i in range(3):  # each after the first finds the pooled connection, which the pod then closes
+                r = httpx.post(router + "/v1/completions", json={"model": "m", "prompt": f"hi {i}"})
+                assert (r.status_code, r.content) == (200, ANSWER), r.text
+            assert pod.dropped == 2 and pod.posts == 5
+            assert _metric(router, "iterserve:router_upstream_failures_total", pod=pod.url,
+                           reason="stale_connection") == 2
+            assert _metric(router, "iterserve:router_upstream_connections_total", pod=pod.url) == 3
+            assert _metric(router, "iterserve:router_requests_total", pod=pod.url, code="200") == 3
+        finally:
+            out = stop(proc)
+    assert "Traceback" not in out, out
+
+
+def test_a_request_dropped_on_a_new_connection_is_not_sent_to_that_pod_again():
+    """A pod that drops a request on a connection just opened may have read it: the router tries no
+    more there (with no other pod: a 503), and does not mistake it for a stale pooled connection."""
+    with StandInPod(drop_all=True) as pod:
+        proc, router = start_router(pod.url)
+        try:
+            wait_healthy(router, pod.url)
+            r = httpx.post(router + "/v1/completions", json={"model": "m", "prompt": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_pods"
+            assert pod.posts == 1
+            assert _metric(router, "iterserve:router_upstream_failures_total", pod=pod.url,
+                           reason="stale_connection") == 0
+        finally:
+            out = stop(proc)
+    assert "Traceback" not in out, out
