@@ -42,6 +42,8 @@ def register(sub) -> None:
                    help="prefix-hash: how many characters of the prompt (chat messages rendered as text) are hashed")
     p.add_argument("--scrape-interval", type=_positive(float), default=0.2,
                    help="seconds between scrapes of each pod's /metrics (its load and health)")
+    p.add_argument("--scrape-failure-threshold", type=_positive(int), default=3,
+                   help="failed /metrics scrapes in a row that take a pod out of routing (default 3)")
     p.add_argument("--connect-timeout", type=_positive(float), default=2.0,
                    help="seconds to connect to a pod before trying another")
     p.add_argument("--backend-keep-alive-timeout", type=_positive(float), default=60.0,
@@ -66,8 +68,8 @@ def build_router(args):
 
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()] if args.endpoints else None
     discovery = Discovery(endpoints, args.dns_name, port=args.backend_port)
-    return Router(PodSet(discovery, interval=args.scrape_interval), args.policy,
-                  make_policy(args.policy, args.load_factor), prefix_chars=args.prefix_chars,
+    pods = PodSet(discovery, interval=args.scrape_interval, failure_threshold=args.scrape_failure_threshold)
+    return Router(pods, args.policy, make_policy(args.policy, args.load_factor), prefix_chars=args.prefix_chars,
                   connect_timeout=args.connect_timeout, idle_timeout=args.backend_keep_alive_timeout)
 
 

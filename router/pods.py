@@ -3,9 +3,11 @@
 Discovery is a static `--endpoints` list, or the A records of a headless Service (`--dns-name`), which
 Kubernetes fills with the addresses of its ready pods alone: no API access, no RBAC, and a pod leaves
 the answer as soon as its readiness fails. Each pod's /metrics is scraped every `interval`: the scrape
-is the health check too (a pod that does not answer, answers non-200 or reports `iterserve:draining 1`
-is skipped until a scrape succeeds again), and a connection that fails while proxying marks the pod down
-at once. The in-flight counts are the router's own, updated as requests start and end.
+is the health check too. A pod that reports `iterserve:draining 1` is skipped at once; one whose scrapes
+fail (no answer within `timeout`, or not 200) `failure_threshold` times in a row is skipped until a scrape
+succeeds again: one slow scrape from a pod busy with a long prefill, or from a busy machine, is not a dead
+pod, and with one pod it would turn every client away (a readiness probe's failureThreshold, for the same
+reason). A connection that fails while proxying is firmer evidence and marks the pod down at once. The in-flight counts are the router's own, updated as requests start and end.
 """
 
 from __future__ import annotations
@@ -75,9 +77,10 @@ class Discovery:
 
 class PodSet:
     def __init__(self, discovery: Discovery, interval: float = 0.2, timeout: float = 1.0,
-                 discovery_interval: float = 2.0) -> None:
+                 discovery_interval: float = 2.0, failure_threshold: int = 3) -> None:
         self.discovery = discovery
         self.interval, self.timeout, self.discovery_interval = interval, timeout, discovery_interval
+        self.failure_threshold = failure_threshold
         self.pods: dict[str, Pod] = {}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
@@ -110,12 +113,10 @@ class PodSet:
             async with self._session.get(pod.url + "/metrics") as r:
                 status, text = r.status, await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            pod.failures += 1
-            self.mark_down(pod, f"scrape: {type(e).__name__}")
+            self._failed(pod, f"scrape: {type(e).__name__}")
             return
         if status != 200:
-            pod.failures += 1
-            self.mark_down(pod, f"scrape: HTTP {status}")
+            self._failed(pod, f"scrape: HTTP {status}")
             return
         load = parse_load(text)
         if load[DRAINING]:
@@ -126,6 +127,11 @@ class PodSet:
         if not pod.healthy:
             logger.info("pod %s is up", pod.url)
         pod.healthy, pod.last_ok, pod.failures = True, time.monotonic(), 0
+
+    def _failed(self, pod: Pod, why: str) -> None:
+        pod.failures += 1
+        if pod.failures >= self.failure_threshold:
+            self.mark_down(pod, f"{why}, {pod.failures} scrapes in a row")
 
     async def _loop(self) -> None:
         next_discovery = 0.0

@@ -122,3 +122,43 @@ def test_a_request_dropped_on_a_new_connection_is_not_sent_to_that_pod_again():
         finally:
             out = stop(proc)
     assert "Traceback" not in out, out
+
+
+@pytest.mark.parametrize(("slow_scrapes", "taken_out"), [(1, False), (2, False), (3, True)])
+def test_a_pod_leaves_routing_only_after_failure_threshold_slow_scrapes_in_a_row(slow_scrapes, taken_out):
+    # the pod's /metrics answers after the scrape's timeout `slow_scrapes` times, then promptly
+    from aiohttp import web
+
+    from iterserve.router.pods import Discovery, PodSet
+
+    async def main() -> list[bool]:
+        served = 0
+
+        async def metrics(request):
+            nonlocal served
+            served += 1
+            if 1 < served <= 1 + slow_scrapes:  # the first scrape makes it healthy
+                await asyncio.sleep(0.5)
+            return web.Response(text="vllm:num_requests_waiting 0.0\n")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        pods = PodSet(Discovery([f"http://127.0.0.1:{port}"]), timeout=0.2, failure_threshold=3)
+        downs = []
+        mark_down = pods.mark_down
+        pods.mark_down = lambda pod, why: downs.append(why) or mark_down(pod, why)
+        await pods.start()  # one scrape now, then one every `interval`
+        while served < slow_scrapes + 3:  # the slow ones, and two prompt ones after them
+            await asyncio.sleep(0.05)
+        healthy = bool(pods.healthy())
+        await pods.stop()
+        await runner.cleanup()
+        return downs, healthy
+
+    downs, healthy = asyncio.run(main())
+    assert bool(downs) is taken_out, downs
+    assert healthy, "a prompt scrape makes the pod routable again"
