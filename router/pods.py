@@ -7,7 +7,8 @@ is the health check too. A pod that reports `iterserve:draining 1` is skipped at
 fail (no answer within `timeout`, or not 200) `failure_threshold` times in a row is skipped until a scrape
 succeeds again: one slow scrape from a pod busy with a long prefill, or from a busy machine, is not a dead
 pod, and with one pod it would turn every client away (a readiness probe's failureThreshold, for the same
-reason). A connection that fails while proxying is firmer evidence and marks the pod down at once. The in-flight counts are the router's own, updated as requests start and end.
+reason). A connection that fails while proxying is firmer evidence and marks the pod down at once. The
+in-flight counts are the router's own, updated as requests start and end.
 """
 
 from __future__ import annotations
