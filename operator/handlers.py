@@ -28,7 +28,7 @@ import kubernetes
 from iterserve.operator import background, controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY, MANAGED_BY_LABEL
 from iterserve.operator.builders.networkpolicy import OperatorPeer
-from iterserve.operator.child_cache import ChildCache
+from iterserve.operator.child_watch import start_child_watches, watched_kinds
 from iterserve.operator.constants import (
     DEFAULT_MAX_CONCURRENT_SCRAPES,
     DEFAULT_OPERATOR_NAMESPACE,
@@ -68,16 +68,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # Watching chosen namespaces: take their names as given rather than list the cluster's namespaces,
     # which would need cluster-wide rights on namespaces for nothing.
     settings.scanning.disabled = bool(getattr(memo, "namespaces", None))
+    namespaces = list(getattr(memo, "namespaces", None) or [])
     if getattr(memo, "kube", None) is None:
         kubernetes.config.load_config()
         config = kubernetes.client.Configuration.get_default_copy()
         # a connection per thread that calls the API at once (kopf's workers, the resync passes, the tuners'
-        # ticks): urllib3's default (5 per CPU) made those threads open a new TLS connection per request
-        config.connection_pool_maxsize = BACKGROUND_THREADS + KOPF_WORKERS
+        # ticks) and one held by each child watch: urllib3's default (5 per CPU) made those threads open a
+        # new TLS connection per request
+        watches = len(watched_kinds("policy/v1")) * max(1, len(namespaces))
+        config.connection_pool_maxsize = BACKGROUND_THREADS + KOPF_WORKERS + watches
         memo.kube = Kube(kubernetes.client.ApiClient(config))
-    # fed by cache_deployment below, read by every pass instead of a GET per Deployment (child_cache.py)
-    memo.kube.caches.setdefault("Deployment", ChildCache("Deployment"))
-    logging.getLogger("kopf.objects").addFilter(_quiet_cache_feed)
+    # label-selected watches of the children, read by every pass instead of a GET each (child_watch.py)
+    if not getattr(memo, "child_watches", None):
+        memo.child_watches = start_child_watches(memo.kube, namespaces)
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
     if getattr(memo, "operator_peer", None) is None:  # `iterserve operator` passes its flags'
@@ -97,6 +100,12 @@ async def start_background(memo: kopf.Memo, **_) -> None:
     health = getattr(memo, "health", None)
     if health is not None:
         memo.heartbeat_task = asyncio.create_task(_beat(health))
+
+
+@kopf.on.cleanup()
+def stop_child_watches(memo: kopf.Memo, **_) -> None:
+    for watch in getattr(memo, "child_watches", None) or ():
+        watch.stop()
 
 
 async def _beat(health) -> None:
@@ -159,20 +168,6 @@ def _owner(body) -> tuple[str, str] | None:
         if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/") and ref.get("controller"):
             return body["metadata"]["namespace"], ref["name"]
     return None
-
-
-def _quiet_cache_feed(record: logging.LogRecord) -> bool:
-    """kopf logs every handler's success; the cache's, one per Deployment event, says nothing."""
-    return record.getMessage() != "Handler 'cache_deployment' succeeded."
-
-
-# Unfiltered, so that a Deployment whose managed-by label was taken away leaves the cache; async and
-# trivial, so the events of other Deployments cost no worker thread.
-@kopf.on.event("apps", "v1", "deployments")
-async def cache_deployment(event, memo: kopf.Memo, **_) -> None:
-    cache = memo.kube.caches.get("Deployment")
-    if cache is not None:
-        cache.observe(event.get("type"), event["object"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: MANAGED_BY})

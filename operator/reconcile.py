@@ -26,6 +26,7 @@ from iterserve.operator.builders.labels import (
     knobs_configmap_name,
     pods_service_name,
     router_name,
+    selector_labels,
     selector_string,
 )
 from iterserve.operator.builders.networkpolicy import API_VERSION as NETWORK_POLICY_API
@@ -187,10 +188,14 @@ def apply_child(kube: Kube, svc: LLMService, desired: dict, out: Outcome) -> dic
 def ensure_optional(kube: Kube, svc: LLMService, api_version: str, kind: str, desired: dict | None, why_not: str,
                     out: Outcome, name: str | None = None) -> dict | None:
     """A child the spec may do without (`desired` None): applied (and returned) when wanted, else ours,
-    `name` (default the LLMService's), is deleted."""
+    `name` (default the LLMService's), is deleted. Its absence from a listed watch (child_cache.py) spares
+    the GET that would find nothing to delete: the router's three children while it is off, the PDB at
+    one replica."""
     if desired is not None:
         return apply_child(kube, svc, desired, out)
     name = name or svc.name
+    if kube.known_absent(kind, svc.namespace, name):
+        return None  # the watch has listed the namespace and holds none of ours: nothing to delete
     current = kube.get(api_version, kind, svc.namespace, name)
     if current is not None and foreign_owner(current, svc.uid) is None:
         if kube.delete(api_version, kind, svc.namespace, name):
@@ -227,9 +232,13 @@ def router_serving(router: dict | None) -> bool:
 
 def ready_pods(kube: Kube, svc: LLMService, token: str) -> list[dict]:
     """The service's pods that are Ready, have an IP and were started with admin token `token` (one
-    started with an older token is being replaced by the rollout and would refuse it)."""
+    started with an older token is being replaced by the rollout and would refuse it). From the pod
+    watch when it has listed (a pod that turns Ready after the watch's last event gets the knobs from the
+    next pass, as it would after a list), else a list."""
     digest = token_digest(token)
-    pods = kube.list("v1", "Pod", svc.namespace, selector_string(svc.name))
+    pods = kube.cached_list("Pod", svc.namespace, selector_labels(svc.name))
+    if pods is None:  # no watch, or its listing is not in yet
+        pods = kube.list("v1", "Pod", svc.namespace, selector_string(svc.name))
     return [pod for pod in pods
             if not pod["metadata"].get("deletionTimestamp") and (pod.get("status") or {}).get("podIP")
             and (pod["metadata"].get("annotations") or {}).get(TOKEN_DIGEST_ANNOTATION) == digest
