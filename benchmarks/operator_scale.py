@@ -268,7 +268,9 @@ def main(argv=None) -> int:
     try:
         run.create_fleet()
         print(f"settled: all Ready in {run.figures['ready_s']:.1f} s", flush=True)
+        print(f"all Tuned in {run.figures['settled_s']:.1f} s; the idle window ({args.idle_s:.0f} s)", flush=True)
         run.idle_minute()
+        print(f"the spec changes ({args.changes or args.services}, every {args.change_interval_s} s)", flush=True)
         run.spec_change()
         run.finish()
     finally:
