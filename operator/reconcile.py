@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
@@ -96,6 +98,28 @@ def _metadata_patch(desired: dict, current: dict) -> dict:
 def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
     """svc's admin token: the stored one when there is one (pods were started with it), else a new one,
     in the namespace's admin Secret (builders/secret.py)."""
+    current = kube.get("v1", "Secret", svc.namespace, ADMIN_SECRET)
+    _check_ours(current, svc)
+    token = admin_token_of(current, svc.name)
+    if current is not None and token is not None and admin_secret_patch(current, svc, token) is None:
+        return token  # most passes: nothing to write, and no turn to wait for
+    # Every LLMService of the namespace writes this one Secret: created together (a fleet applied at once),
+    # their passes would make each other's resourceVersion stale and run out of retries. Within this
+    # process they take turns; a writer elsewhere still gets a 409 and a fresh read.
+    with _secret_writers(svc.namespace):
+        return _write_admin_secret(kube, svc, out)
+
+
+_secret_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+_secret_locks_guard = threading.Lock()
+
+
+def _secret_writers(namespace: str) -> threading.Lock:
+    with _secret_locks_guard:
+        return _secret_locks[namespace]
+
+
+def _write_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
     for _ in range(MAX_CONFLICT_RETRIES):
         current = kube.get("v1", "Secret", svc.namespace, ADMIN_SECRET)
         _check_ours(current, svc)
@@ -111,7 +135,7 @@ def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
             kube.merge_patch("v1", "Secret", svc.namespace, ADMIN_SECRET, patch)
         except ApiException as e:
             if is_status(e, 409):
-                continue  # created or written by another pass in between: read again
+                continue  # created or written by another writer in between: read again
             raise
         written = admin_token_of({"data": patch.get("data") or {}}, svc.name)
         out.changes.append(Change("Secret", ADMIN_SECRET, "updated", f"new admin token of {svc.name}" if written
