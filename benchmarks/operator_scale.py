@@ -51,6 +51,7 @@ from tests.server_support import free_port  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
 NEW_MAX_NUM_SEQS = 48  # the spec change: not the default (64), within every bound
+LIVE_WAIT_S = 120.0  # after every status caught up, the longest wait for the knob on the pods
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -191,12 +192,20 @@ class Run:
                     live.setdefault(key, patch["t"])
             return len(live) == len(patched)
 
-        self.wait(pods_patched, "the new maxNumSeqs live on every changed pod")
-        live_latency = [live[k] - patched[k][0] for k in patched if k in host_of]
+        # bounded: a pod the harness failed to mark (an apiserver error while it wrote the pod's status) is
+        # not known by its address, and its knob would be waited for until --timeout-s
+        try:
+            wait_until(pods_patched, timeout=LIVE_WAIT_S, what="the new maxNumSeqs live on every changed pod",
+                       interval=1.0, fail_if=self._exited)
+        except TimeoutError:
+            print(f"knob live seen on {len(live)} of {len(patched)} changed pods after {LIVE_WAIT_S:.0f} s",
+                  flush=True)
+        live_latency = [live[k] - patched[k][0] for k in live if k in host_of]
         self.figures["changes"] = len(patched)
         self.figures["change_interval_s"] = self.args.change_interval_s
         self.figures["reconcile_s"] = {"p50": statistics.median(reconcile), "p99": percentile(reconcile, 99),
                                        "max": max(reconcile)}
+        self.figures["live_knob_seen"] = len(live)
         self.figures["live_knob_s"] = {"p50": statistics.median(live_latency), "p99": percentile(live_latency, 99),
                                        "max": max(live_latency)}
         self.figures["reconciled"] = sorted(f"{ns}/{name}" for ns, name in patched)
