@@ -52,8 +52,8 @@ RETRY_DELAY_SECONDS = 10
 INSTANT_EXIT_SECONDS = 0.5
 BACKGROUND_THREADS = 32
 # kopf's handler threads: how many create/update passes run at once. A fleet-wide edit queues one pass per
-# LLMService behind them, and a pass mostly waits on API round trips: with 8, 200 changes at once took
-# 4 s to the last one, with 32 under 1 s (docs/benchmarks-operator.md, "A fleet-wide edit").
+# LLMService behind them, and a pass mostly waits on API round trips: 200 changes at once had a p99 of 4.06 s
+# with 8, a median p99 of 1.49 s over three runs with 32 (docs/benchmarks-operator.md, "A fleet-wide edit").
 KOPF_WORKERS = int(os.environ.get("ITERSERVE_OPERATOR_WORKERS", "32"))
 
 
