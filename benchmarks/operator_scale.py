@@ -51,6 +51,7 @@ from tests.server_support import free_port  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
 NEW_MAX_NUM_SEQS = 48  # the spec change: not the default (64), within every bound
+LIVE_WAIT_S = 120.0  # after every status caught up, the longest wait for the knob on the pods
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -191,12 +192,20 @@ class Run:
                     live.setdefault(key, patch["t"])
             return len(live) == len(patched)
 
-        self.wait(pods_patched, "the new maxNumSeqs live on every changed pod")
-        live_latency = [live[k] - patched[k][0] for k in patched if k in host_of]
+        # bounded: a pod the harness failed to mark (an apiserver error while it wrote the pod's status) is
+        # not known by its address, and its knob would be waited for until --timeout-s
+        try:
+            wait_until(pods_patched, timeout=LIVE_WAIT_S, what="the new maxNumSeqs live on every changed pod",
+                       interval=1.0, fail_if=self._exited)
+        except TimeoutError:
+            print(f"knob live seen on {len(live)} of {len(patched)} changed pods after {LIVE_WAIT_S:.0f} s",
+                  flush=True)
+        live_latency = [live[k] - patched[k][0] for k in live if k in host_of]
         self.figures["changes"] = len(patched)
         self.figures["change_interval_s"] = self.args.change_interval_s
         self.figures["reconcile_s"] = {"p50": statistics.median(reconcile), "p99": percentile(reconcile, 99),
                                        "max": max(reconcile)}
+        self.figures["live_knob_seen"] = len(live)
         self.figures["live_knob_s"] = {"p50": statistics.median(live_latency), "p99": percentile(live_latency, 99),
                                        "max": max(live_latency)}
         self.figures["reconciled"] = sorted(f"{ns}/{name}" for ns, name in patched)
@@ -235,7 +244,8 @@ def print_table(f: dict) -> None:
         ("create -> all Tuned (a full window scraped)", f"{f['settled_s']:.1f} s", ""),
         (f"reconcile p50 / p99 / max ({f['changes']} changes, every {f['change_interval_s']} s)",
          f"{rec['p50']:.2f} / {rec['p99']:.2f} / {rec['max']:.2f} s", "p99 < 5 s: " + target(rec["p99"], 5.0)),
-        ("knob live on the pod p50 / p99 / max", f"{live['p50']:.2f} / {live['p99']:.2f} / {live['max']:.2f} s", ""),
+        (f"knob live on the pod p50 / p99 / max ({f['live_knob_seen']} pods seen)",
+         f"{live['p50']:.2f} / {live['p99']:.2f} / {live['max']:.2f} s", ""),
         ("scrapes in flight, most / bound", f"{f['scrapes']['max_in_flight']} / {f['max_concurrent_scrapes']}",
          "within" if f["scrapes"]["max_in_flight"] <= f["max_concurrent_scrapes"] else "EXCEEDED"),
         ("scrapes total (min per pod)", f"{f['scrapes']['total']} ({f['scrapes']['min_per_pod']})", ""),
@@ -268,7 +278,9 @@ def main(argv=None) -> int:
     try:
         run.create_fleet()
         print(f"settled: all Ready in {run.figures['ready_s']:.1f} s", flush=True)
+        print(f"all Tuned in {run.figures['settled_s']:.1f} s; the idle window ({args.idle_s:.0f} s)", flush=True)
         run.idle_minute()
+        print(f"the spec changes ({args.changes or args.services}, every {args.change_interval_s} s)", flush=True)
         run.spec_change()
         run.finish()
     finally:

@@ -33,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--identity", default=None, help="leader-election identity (default: env POD_NAME)")
     p.add_argument("--resync-seconds", type=float, default=None,
                    help="how often each LLMService is fully reconciled to repair drift (default 30)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="how many LLMServices' change passes run at once (default: env ITERSERVE_OPERATOR_WORKERS, "
+                        "else 32); a fleet-wide edit queues a pass per service behind them")
     p.add_argument("--prometheus-url", default=os.environ.get("ITERSERVE_PROMETHEUS_URL"),
                    help="Prometheus the tuner reads p99 latencies from (default: env ITERSERVE_PROMETHEUS_URL)")
     p.add_argument("--metrics-port", type=int, default=os.environ.get("ITERSERVE_OPERATOR_METRICS_PORT"),
@@ -65,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"iterserve operator: error: --resync-seconds must be > 0, got {args.resync_seconds}")
             return 2
         os.environ["ITERSERVE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)  # read by handlers at import
+    if args.workers is not None:
+        if args.workers < 1:
+            print(f"iterserve operator: error: --workers must be >= 1, got {args.workers}")
+            return 2
+        os.environ["ITERSERVE_OPERATOR_WORKERS"] = str(args.workers)  # read by handlers at import
     import threading
 
     import kopf

@@ -9,7 +9,8 @@
 - a daemon per LLMService whose tuning is observe or auto (operator/tuning_loop.py): the tuner, ticking
   every spec.tuning.intervalSeconds; kopf stops it when the mode goes to off or the object is deleted;
 - at start: the thread pool the timer and the daemon use, the operator-wide bound on the tuners' scrapes in
-  flight, and the heartbeat behind /healthz.
+  flight, the label-selected watches of the children (operator/child_watch.py; stopped at cleanup) and
+  the heartbeat behind /healthz.
 
 Run with `iterserve operator` (operator/cli.py) or `kopf run -m iterserve.operator.handlers`.
 """
@@ -28,7 +29,7 @@ import kubernetes
 from iterserve.operator import background, controller, tuning_loop
 from iterserve.operator.builders.labels import MANAGED_BY, MANAGED_BY_LABEL
 from iterserve.operator.builders.networkpolicy import OperatorPeer
-from iterserve.operator.child_cache import ChildCache
+from iterserve.operator.child_watch import start_child_watches, watched_kinds
 from iterserve.operator.constants import (
     DEFAULT_MAX_CONCURRENT_SCRAPES,
     DEFAULT_OPERATOR_NAMESPACE,
@@ -50,7 +51,10 @@ RETRY_DELAY_SECONDS = 10
 # this is slack for an event loop on a busy machine.
 INSTANT_EXIT_SECONDS = 0.5
 BACKGROUND_THREADS = 32
-KOPF_WORKERS = 8  # kopf's handler threads
+# kopf's handler threads: how many create/update passes run at once. A fleet-wide edit queues one pass per
+# LLMService behind them, and a pass mostly waits on API round trips: 200 changes at once had a p99 of 4.06 s
+# with 8, a median p99 of 1.49 s over three runs with 32 (docs/benchmarks-operator.md, "A fleet-wide edit").
+KOPF_WORKERS = int(os.environ.get("ITERSERVE_OPERATOR_WORKERS", "32"))
 
 
 @kopf.on.startup()
@@ -68,16 +72,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # Watching chosen namespaces: take their names as given rather than list the cluster's namespaces,
     # which would need cluster-wide rights on namespaces for nothing.
     settings.scanning.disabled = bool(getattr(memo, "namespaces", None))
+    namespaces = list(getattr(memo, "namespaces", None) or [])
     if getattr(memo, "kube", None) is None:
         kubernetes.config.load_config()
         config = kubernetes.client.Configuration.get_default_copy()
         # a connection per thread that calls the API at once (kopf's workers, the resync passes, the tuners'
-        # ticks): urllib3's default (5 per CPU) made those threads open a new TLS connection per request
-        config.connection_pool_maxsize = BACKGROUND_THREADS + KOPF_WORKERS
+        # ticks) and one held by each child watch: urllib3's default (5 per CPU) made those threads open a
+        # new TLS connection per request
+        watches = len(watched_kinds("policy/v1")) * max(1, len(namespaces))
+        config.connection_pool_maxsize = BACKGROUND_THREADS + KOPF_WORKERS + watches
         memo.kube = Kube(kubernetes.client.ApiClient(config))
-    # fed by cache_deployment below, read by every pass instead of a GET per Deployment (child_cache.py)
-    memo.kube.caches.setdefault("Deployment", ChildCache("Deployment"))
-    logging.getLogger("kopf.objects").addFilter(_quiet_cache_feed)
+    # label-selected watches of the children, read by every pass instead of a GET each (child_watch.py)
+    if not getattr(memo, "child_watches", None):
+        memo.child_watches = start_child_watches(memo.kube, namespaces)
     if getattr(memo, "operator_metrics", None) is None:  # `iterserve operator` passes the one it serves
         memo.operator_metrics = OperatorMetrics()
     if getattr(memo, "operator_peer", None) is None:  # `iterserve operator` passes its flags'
@@ -97,6 +104,12 @@ async def start_background(memo: kopf.Memo, **_) -> None:
     health = getattr(memo, "health", None)
     if health is not None:
         memo.heartbeat_task = asyncio.create_task(_beat(health))
+
+
+@kopf.on.cleanup()
+def stop_child_watches(memo: kopf.Memo, **_) -> None:
+    for watch in getattr(memo, "child_watches", None) or ():
+        watch.stop()
 
 
 async def _beat(health) -> None:
@@ -159,20 +172,6 @@ def _owner(body) -> tuple[str, str] | None:
         if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/") and ref.get("controller"):
             return body["metadata"]["namespace"], ref["name"]
     return None
-
-
-def _quiet_cache_feed(record: logging.LogRecord) -> bool:
-    """kopf logs every handler's success; the cache's, one per Deployment event, says nothing."""
-    return record.getMessage() != "Handler 'cache_deployment' succeeded."
-
-
-# Unfiltered, so that a Deployment whose managed-by label was taken away leaves the cache; async and
-# trivial, so the events of other Deployments cost no worker thread.
-@kopf.on.event("apps", "v1", "deployments")
-async def cache_deployment(event, memo: kopf.Memo, **_) -> None:
-    cache = memo.kube.caches.get("Deployment")
-    if cache is not None:
-        cache.observe(event.get("type"), event["object"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: MANAGED_BY})

@@ -55,17 +55,36 @@ class Kube:
         cache = self.caches.get(kind)
         return None if cache is None else cache.get(namespace, name)
 
-    def request(self, method: str, path: str, body=None, *, query: list | None = None,
-                content_type: str = "application/json") -> dict:
+    def cached_list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[dict] | None:
+        """The watched objects of `namespace` with `labels`; None: no watch has listed it, ask the server."""
+        cache = self.caches.get(kind)
+        return None if cache is None else cache.select(namespace, labels)
+
+    def known_absent(self, kind: str, namespace: str, name: str) -> bool:
+        """Whether a watch that has listed the namespace holds no such object of ours (child_cache.py)."""
+        cache = self.caches.get(kind)
+        return cache is not None and cache.absent(namespace, name)
+
+    def _send(self, method: str, path: str, body, query: list | None, content_type: str, timeout):
         client = self.api_client
         request = client.param_serialize(
             method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
             header_params={"Accept": "application/json", "Content-Type": content_type})
-        response = client.call_api(*request, _request_timeout=self.timeout)
-        response.read()
+        response = client.call_api(*request, _request_timeout=timeout)
         if not 200 <= response.status <= 299:
+            response.read()
             raise ApiException(http_resp=response)
+        return response
+
+    def request(self, method: str, path: str, body=None, *, query: list | None = None,
+                content_type: str = "application/json") -> dict:
+        response = self._send(method, path, body, query, content_type, self.timeout)
+        response.read()
         return json.loads(response.data) if response.data else {}
+
+    def stream(self, method: str, path: str, *, query: list | None = None, read_timeout: float):
+        """The response (urllib3's) unread, for a watch: the caller reads it as it comes, then releases it."""
+        return self._send(method, path, None, query, "application/json", (self.timeout, read_timeout)).response
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
@@ -26,6 +28,7 @@ from iterserve.operator.builders.labels import (
     knobs_configmap_name,
     pods_service_name,
     router_name,
+    selector_labels,
     selector_string,
 )
 from iterserve.operator.builders.networkpolicy import API_VERSION as NETWORK_POLICY_API
@@ -95,6 +98,28 @@ def _metadata_patch(desired: dict, current: dict) -> dict:
 def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
     """svc's admin token: the stored one when there is one (pods were started with it), else a new one,
     in the namespace's admin Secret (builders/secret.py)."""
+    current = kube.get("v1", "Secret", svc.namespace, ADMIN_SECRET)
+    _check_ours(current, svc)
+    token = admin_token_of(current, svc.name)
+    if current is not None and token is not None and admin_secret_patch(current, svc, token) is None:
+        return token  # most passes: nothing to write, and no turn to wait for
+    # Every LLMService of the namespace writes this one Secret: created together (a fleet applied at once),
+    # their passes would make each other's resourceVersion stale and run out of retries. Within this
+    # process they take turns; a writer elsewhere still gets a 409 and a fresh read.
+    with _secret_writers(svc.namespace):
+        return _write_admin_secret(kube, svc, out)
+
+
+_secret_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+_secret_locks_guard = threading.Lock()
+
+
+def _secret_writers(namespace: str) -> threading.Lock:
+    with _secret_locks_guard:
+        return _secret_locks[namespace]
+
+
+def _write_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
     for _ in range(MAX_CONFLICT_RETRIES):
         current = kube.get("v1", "Secret", svc.namespace, ADMIN_SECRET)
         _check_ours(current, svc)
@@ -110,7 +135,7 @@ def ensure_admin_secret(kube: Kube, svc: LLMService, out: Outcome) -> str:
             kube.merge_patch("v1", "Secret", svc.namespace, ADMIN_SECRET, patch)
         except ApiException as e:
             if is_status(e, 409):
-                continue  # created or written by another pass in between: read again
+                continue  # created or written by another writer in between: read again
             raise
         written = admin_token_of({"data": patch.get("data") or {}}, svc.name)
         out.changes.append(Change("Secret", ADMIN_SECRET, "updated", f"new admin token of {svc.name}" if written
@@ -187,10 +212,14 @@ def apply_child(kube: Kube, svc: LLMService, desired: dict, out: Outcome) -> dic
 def ensure_optional(kube: Kube, svc: LLMService, api_version: str, kind: str, desired: dict | None, why_not: str,
                     out: Outcome, name: str | None = None) -> dict | None:
     """A child the spec may do without (`desired` None): applied (and returned) when wanted, else ours,
-    `name` (default the LLMService's), is deleted."""
+    `name` (default the LLMService's), is deleted. Its absence from a listed watch (child_cache.py) spares
+    the GET that would find nothing to delete: the router's three children while it is off, the PDB at
+    one replica."""
     if desired is not None:
         return apply_child(kube, svc, desired, out)
     name = name or svc.name
+    if kube.known_absent(kind, svc.namespace, name):
+        return None  # the watch has listed the namespace and holds none of ours: nothing to delete
     current = kube.get(api_version, kind, svc.namespace, name)
     if current is not None and foreign_owner(current, svc.uid) is None:
         if kube.delete(api_version, kind, svc.namespace, name):
@@ -227,9 +256,13 @@ def router_serving(router: dict | None) -> bool:
 
 def ready_pods(kube: Kube, svc: LLMService, token: str) -> list[dict]:
     """The service's pods that are Ready, have an IP and were started with admin token `token` (one
-    started with an older token is being replaced by the rollout and would refuse it)."""
+    started with an older token is being replaced by the rollout and would refuse it). From the pod
+    watch when it has listed (a pod that turns Ready after the watch's last event gets the knobs from the
+    next pass, as it would after a list), else a list."""
     digest = token_digest(token)
-    pods = kube.list("v1", "Pod", svc.namespace, selector_string(svc.name))
+    pods = kube.cached_list("Pod", svc.namespace, selector_labels(svc.name))
+    if pods is None:  # no watch, or its listing is not in yet
+        pods = kube.list("v1", "Pod", svc.namespace, selector_string(svc.name))
     return [pod for pod in pods
             if not pod["metadata"].get("deletionTimestamp") and (pod.get("status") or {}).get("podIP")
             and (pod["metadata"].get("annotations") or {}).get(TOKEN_DIGEST_ANNOTATION) == digest

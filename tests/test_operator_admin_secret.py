@@ -90,3 +90,26 @@ def test_created_secret():
     assert admin_token_of(secret, "chat") == "s3cret"
     assert admin_secret_patch({**secret, "metadata": {**secret["metadata"], "resourceVersion": "1"}}, CHAT,
                               "s3cret") is None
+
+
+def test_services_created_together_add_their_tokens_without_running_out_of_retries(kube_cluster, kube_namespace):
+    """A fleet applied at once: every pass of the namespace writes the one Secret. On the real API server,
+    twelve passes at once each store their token, none ends in "still conflicting"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from iterserve.operator.kube import Kube
+    from iterserve.operator.reconcile import Outcome, ensure_admin_secret
+    from iterserve.operator.spec import parse_llmservice
+    from tests.operator_support import apply_llmservice
+
+    kube, ns = Kube(kube_cluster.api_client()), kube_namespace
+    names = [f"svc-{i}" for i in range(12)]
+    for name in names:
+        apply_llmservice(kube_cluster, ns, name, {})
+    services = [parse_llmservice(kube.get_llmservice(ns, name)) for name in names]
+    with ThreadPoolExecutor(len(services)) as pool:
+        tokens = list(pool.map(lambda svc: ensure_admin_secret(kube, svc, Outcome()), services))
+    stored = kube.get("v1", "Secret", ns, ADMIN_SECRET)
+    assert [admin_token_of(stored, name) for name in names] == tokens
+    assert len(set(tokens)) == len(names)
+    assert {ref["name"] for ref in stored["metadata"]["ownerReferences"]} == set(names)

@@ -1,6 +1,7 @@
 """The requests one reconcile pass sends to the real API server: a pass that finds every child as it
 renders it writes none, drift and spec changes are still applied, and the Deployment comes from the
-watch-fed cache when that shows no drift (operator/child_cache.py)."""
+watch-fed cache when that shows no drift (operator/child_cache.py); with the label-selected watches of
+every child, an idle pass reads only what no watch holds."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import json
 
 from iterserve.operator import controller
 from iterserve.operator.child_cache import ChildCache
+from iterserve.operator.child_watch import start_child_watches
 from iterserve.operator.kube import Kube
 from tests.operator_support import apply_llmservice, merge_patch_llmservice
+from tests.waiting import wait_until
 
 WRITES = ("POST", "PATCH", "PUT", "DELETE")
 
@@ -99,3 +102,41 @@ def test_the_cached_deployment_saves_the_get_and_drift_in_it_sends_the_pass_to_t
     cache.observe("DELETED", {"metadata": {"namespace": ns, "name": "chat"}})
     assert ("PATCH", deployment_path) in child_writes(pass_of(kube, ns, "chat"))
     assert kube.get("apps/v1", "Deployment", ns, "chat") is not None
+
+
+def test_with_the_child_watches_an_idle_pass_reads_only_what_no_watch_holds(kube_cluster, kube_namespace):
+    """The label-selected watches (operator/child_watch.py) hold every rendered child and the pods: an idle
+    pass reads only the LLMService, the admin Secret and the knobs ConfigMap. The router's children and
+    the PDB (off, 1 replica) are known absent, with no GET; once the router is turned on and off again,
+    its children are deleted as before."""
+    kube, ns = CountingKube(kube_cluster.api_client()), kube_namespace
+    watches = start_child_watches(kube, [ns])
+    try:
+        apply_llmservice(kube_cluster, ns, "chat", {})
+        pass_of(kube, ns, "chat")
+        wait_until(lambda: all(kube.cached(kind, ns, "chat") for kind in ("Deployment", "Service", "NetworkPolicy")),
+                   timeout=30, what="the children in the watches' caches")
+        idle = pass_of(kube, ns, "chat")
+        print("requests of an idle pass with the watches:", json.dumps(idle))
+        # (a status write may follow the Deployment's status, which its controller is still setting)
+        reads = sorted(c for c in idle if not c[1].endswith("/status"))
+        assert reads == sorted([("GET", f"/apis/iterserve.io/v1alpha1/namespaces/{ns}/llmservices/chat"),
+                                ("GET", f"/api/v1/namespaces/{ns}/secrets/iterserve-admin-tokens"),
+                                ("GET", f"/api/v1/namespaces/{ns}/configmaps/chat-knobs")])
+
+        merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"router": {"enabled": True}}})
+        pass_of(kube, ns, "chat")
+        router = ("Deployment", "chat-router"), ("Service", "chat-pods"), ("NetworkPolicy", "chat-router")
+        wait_until(lambda: all(kube.cached(kind, ns, name) for kind, name in router), timeout=30,
+                   what="the router's children in the caches")
+        merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"router": {"enabled": False}}})
+        off = pass_of(kube, ns, "chat")
+        assert {(m, p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1]) for m, p in child_writes(off)
+                if m == "DELETE"} == {("DELETE", "deployments/chat-router"), ("DELETE", "services/chat-pods"),
+                                      ("DELETE", "networkpolicies/chat-router")}
+        wait_until(lambda: all(kube.known_absent(kind, ns, name) for kind, name in router), timeout=30,
+                   what="the deletions in the caches")
+        assert child_writes(pass_of(kube, ns, "chat")) == []
+    finally:
+        for watch in watches:
+            watch.stop()

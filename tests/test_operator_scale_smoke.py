@@ -28,7 +28,7 @@ def test_small_fleet_reconciles_and_scrapes_within_the_bound(tmp_path, capsys):
                  "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["reconciled"] == sorted(f"fleet-{i % NAMESPACES}/llm-{i:03d}" for i in range(SERVICES))
-    assert figures["changes"] == SERVICES
+    assert figures["changes"] == SERVICES and figures["live_knob_seen"] == SERVICES
     scrapes = figures["scrapes"]
     assert scrapes["pods"] == SERVICES and scrapes["min_per_pod"] >= 1
     assert 1 <= scrapes["max_in_flight"] <= BOUND

@@ -126,3 +126,43 @@ def test_child_cache_keeps_the_latest_event():
     cache.observe("MODIFIED", deployment_event("a", OURS, resourceVersion="2"))
     assert cache.get("ns", "a")["metadata"]["resourceVersion"] == "2"
     assert cache.get("other", "a") is None
+
+
+@pytest.mark.parametrize("title, synced, entries, ask, absent", [
+    ("not listed yet: absence proves nothing", [], [], ("ns", "a"), False),
+    ("listed, none of ours", ["ns"], [], ("ns", "a"), True),
+    ("listed, ours there", ["ns"], ["a"], ("ns", "a"), False),
+    ("another namespace listed", ["other"], [], ("ns", "a"), False),
+    ("every namespace listed", [None], [], ("ns", "a"), True),
+])
+def test_child_cache_knows_absence_only_after_a_listing(title, synced, entries, ask, absent):
+    cache = ChildCache("Service")
+    for scope in synced:
+        cache.replace(scope, [deployment_event(name, OURS) for name in entries])
+    assert cache.absent(*ask) is absent
+
+
+def test_a_listing_replaces_its_scope_and_a_broken_watch_unsyncs_it():
+    cache = ChildCache("Service")
+    cache.observe("ADDED", deployment_event("gone", OURS))
+    cache.observe("ADDED", {"metadata": {"namespace": "other", "name": "kept", "labels": OURS}})
+    cache.replace("ns", [deployment_event("a", OURS), deployment_event("theirs", {"app": "x"})])
+    assert cache.get("ns", "gone") is None and cache.get("other", "kept") is not None  # only ns relisted
+    assert cache.get("ns", "a") is not None and cache.absent("ns", "theirs")  # not ours: not held
+    cache.replace(None, [deployment_event("a", OURS)])
+    assert cache.get("other", "kept") is None and len(cache) == 1  # a cluster listing replaces everything
+    cache.unsync(None)
+    assert cache.absent("ns", "b")  # ns's own listing still stands
+    cache.unsync("ns")
+    assert not cache.absent("ns", "b") and cache.select("ns", {}) is None
+
+
+def test_child_cache_selects_by_labels_in_one_namespace():
+    cache = ChildCache("Pod")
+    assert cache.select("ns", {}) is None  # before the listing: ask the server
+    pod = {**OURS, "app.kubernetes.io/instance": "chat"}
+    other = {**OURS, "app.kubernetes.io/instance": "x"}
+    cache.replace("ns", [deployment_event("p1", pod), deployment_event("p2", other)])
+    cache.observe("ADDED", {"metadata": {"namespace": "other", "name": "p3", "labels": pod}})
+    assert [p["metadata"]["name"] for p in cache.select("ns", {"app.kubernetes.io/instance": "chat"})] == ["p1"]
+    assert cache.select("other", {}) is None  # "other" was never listed

@@ -189,6 +189,7 @@ def test_a_failing_change_is_reported_once_per_target():
 @pytest.mark.parametrize("argv, env, message", [
     (["--metrics-port", "0"], None, "--metrics-port must be in 1..65535, got 0"),
     ([], "70000", "--metrics-port must be in 1..65535, got 70000"),
+    (["--workers", "0"], None, "--workers must be >= 1, got 0"),
 ])
 def test_operator_refuses_a_bad_metrics_port(argv, env, message, monkeypatch, capsys):
     import argparse
