@@ -75,7 +75,7 @@ def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster,
     table = kube_cluster.kubectl("get", "llmsvc", "chat", "-n", ns).stdout.split("\n")
     header, row = table[0].split(), table[1].split()
     assert header[:8] == ["NAME", "READY", "DESIRED", "MAX-SEQS", "CHUNK", "TTFT-P99-MS", "ITL-P99-MS", "TUNING"]
-    assert row[:6] == ["chat", "0", "1", "12", "256", "observe"]  # no p99 measured yet: empty columns
+    assert row[:6] == ["chat", "0", "1", "12", "2048", "observe"]  # no p99 measured yet: empty columns
 
     # the tuner's first tick: no ready pod, nothing measured, no verdict
     svc = wait_for_status(kube, ns, "chat", lambda o: o["status"].get("lastDecision"), "the tuner's first tick")
@@ -92,7 +92,7 @@ def test_children_owner_refs_args_status_columns_scale_and_cascade(kube_cluster,
     assert (condition(svc, "Tuned")["status"], condition(svc, "Tuned")["reason"]) == ("True", "WithinSLO")
     assert condition(svc, "Ready")["reason"] == "ReplicasNotReady" and svc["status"]["ttftP99Ms"] == 812.5
     row = kube_cluster.kubectl("get", "llmsvc", "chat", "-n", ns).stdout.split("\n")[1].split()
-    assert row[:8] == ["chat", "0", "1", "12", "256", "812.5", "41.2", "observe"]
+    assert row[:8] == ["chat", "0", "1", "12", "2048", "812.5", "41.2", "observe"]
     wait_for_event(kube, ns, "chat", lambda e: e["reason"] == "Created" and "Deployment chat created" in e["message"],
                    "Created")
 
@@ -329,7 +329,7 @@ def test_knob_edit_is_live_and_template_edit_rolls_out(kube_cluster, kube_namesp
         # a knob edit reaches the running pod over HTTP: same pod, no restart, no new ReplicaSet
         merge_patch_llmservice(kube_cluster, ns, "chat",
                                {"spec": {"engine": {"maxNumSeqs": 9, "prefillChunkSize": 32}}})
-        wait_until(lambda: running_knobs(pod) == {"max_num_seqs": 9, "max_num_batched_tokens": 512,
+        wait_until(lambda: running_knobs(pod) == {"max_num_seqs": 9, "max_num_batched_tokens": 2048,
                                                   "prefill_chunk_size": 32}, timeout=TIMEOUT, what="live knobs")
         assert [p["metadata"]["name"] for p in ready_pods()] == [pod["metadata"]["name"]]
         assert kubelet.restarts(ns, pod["metadata"]["name"]) == 0 and replica_sets() == sets
