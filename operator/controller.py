@@ -141,7 +141,8 @@ def handle(kube: Kube, body: dict, *, pod_timeout: float = 3.0, operator: Operat
 
 def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
     """Only the status, from the Deployment and ConfigMap as they are now (after a Deployment status
-    change). observedGeneration stays: this looked at no spec change."""
+    change). observedGeneration stays: this looked at no spec change. Before the first full pass has
+    written a status, nothing."""
     result = Result()
     with object_lock(namespace, name):
         # read under the lock: a snapshot taken before it would carry the status from before the
@@ -151,6 +152,10 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
             result.gone = True
             return result
         status = body.get("status") or {}
+        if "observedGeneration" not in status:
+            # no full pass has finished yet (one cut short, or still running): a refresh would claim a
+            # generation whose children nobody has checked, and kubectl wait would take it as applied
+            return result
         try:
             svc = with_replicas_in_force(parse_llmservice(body), status)
         except SpecError:
@@ -166,7 +171,7 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> Result:
         if degraded.get("status") == "True" and degraded.get("reason") == "ReconcileFailed":
             result.problems.append(degraded.get("message", ""))
         router = _get_deployment(kube, namespace, router_name(name), result) if svc.router.enabled else None
-        obs = ReconcileResult(name=name, generation=status.get("observedGeneration", svc.generation),
+        obs = ReconcileResult(name=name, generation=status["observedGeneration"],
                               replicas_wanted=svc.replicas, autoscaling=svc.autoscaling is not None,
                               tuning_mode=svc.tuning.mode, deployment=deployment,
                               knobs=knobs, problems=result.problems, **_router_fields(svc, router))

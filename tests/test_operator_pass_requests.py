@@ -140,3 +140,23 @@ def test_with_the_child_watches_an_idle_pass_reads_only_what_no_watch_holds(kube
     finally:
         for watch in watches:
             watch.stop()
+
+
+def test_a_status_refresh_claims_no_generation_a_full_pass_has_not_processed(kube_cluster, kube_namespace):
+    """A Deployment's status change refreshes the LLMService's status; before any full pass has finished
+    (an operator killed mid-pass left the Deployment behind) that refresh writes nothing, and after a spec
+    change it keeps the generation the last full pass saw: kubectl wait must not see a spec as applied
+    whose Service, PDB and NetworkPolicy nobody has created yet."""
+    kube, ns = CountingKube(kube_cluster.api_client()), kube_namespace
+    apply_llmservice(kube_cluster, ns, "chat", {"replicas": 2})
+    kube.take()
+    refreshed = controller.refresh_status(kube, ns, "chat")
+    assert [c for c in kube.take() if c[0] in WRITES] == [] and refreshed.transitions == []
+    assert "observedGeneration" not in (kube.get_llmservice(ns, "chat").get("status") or {})
+
+    pass_of(kube, ns, "chat")
+    assert kube.get_llmservice(ns, "chat")["status"]["observedGeneration"] == 1
+    merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"replicas": 3}})
+    controller.refresh_status(kube, ns, "chat")
+    stored = kube.get_llmservice(ns, "chat")
+    assert stored["metadata"]["generation"] == 2 and stored["status"]["observedGeneration"] == 1
