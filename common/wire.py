@@ -121,3 +121,4 @@ HTTP_RESPONSES = "iterserve:http_responses_total"  # by route and code; the tune
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+PROMPT_TOKENS_PENDING = "iterserve:num_prompt_tokens_pending"  # the router's least-load reads it

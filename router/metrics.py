@@ -30,12 +30,17 @@ class _PodCollector:
                                     "vllm:num_requests_waiting at the pod's last scrape.", labels=["pod"])
         kv = GaugeMetricFamily("iterserve:router_pod_kv_cache_usage_perc",
                                "vllm:kv_cache_usage_perc at the pod's last scrape.", labels=["pod"])
+        prefill = GaugeMetricFamily("iterserve:router_pod_prefill_ahead_tokens",
+                                    "Prompt tokens a new prompt would wait behind on the pod (least-load's "
+                                    "estimate: its pending tokens at the last scrape and this router's since).",
+                                    labels=["pod"])
         for pod in list(self.pods.pods.values()):
             in_flight.add_metric([pod.url], pod.load.in_flight)
             healthy.add_metric([pod.url], 1 if pod.healthy else 0)
             waiting.add_metric([pod.url], pod.load.waiting)
             kv.add_metric([pod.url], pod.load.kv_usage)
-        yield from (in_flight, healthy, waiting, kv)
+            prefill.add_metric([pod.url], pod.load.prefill_ahead())
+        yield from (in_flight, healthy, waiting, kv, prefill)
 
 
 class RouterMetrics:

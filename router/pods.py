@@ -30,10 +30,10 @@ DRAINING = "iterserve:draining"
 
 def parse_load(text: str) -> dict[str, float]:
     """The load gauges in a pod's Prometheus text, summed over their series (one per model)."""
-    wanted = (wire.WAITING, wire.RUNNING, wire.KV_USAGE, DRAINING)
+    wanted = (wire.WAITING, wire.RUNNING, wire.KV_USAGE, wire.PROMPT_TOKENS_PENDING, DRAINING)
     values = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
-        if not line.startswith(("vllm:", DRAINING)):  # cheap: most lines are other metrics or comments
+        if not line.startswith(("vllm:", "iterserve:")):  # cheap: comments and other metrics leave here
             continue
         head, _, value = line.rpartition(" ")  # `name{labels} value`: prometheus_client writes no timestamp
         name = head.split("{", 1)[0]
@@ -110,6 +110,7 @@ class PodSet:
 
     async def _scrape(self, pod: Pod) -> None:
         assert self._session is not None  # made by start() before the first refresh
+        sent = pod.load.sent_tokens  # what the pod will count as pending once this scrape's answer is in
         try:
             async with self._session.get(pod.url + "/metrics") as r:
                 status, text = r.status, await r.text()
@@ -125,6 +126,7 @@ class PodSet:
             return
         pod.load.waiting, pod.load.running, pod.load.kv_usage = (load[wire.WAITING], load[wire.RUNNING],
                                                               load[wire.KV_USAGE])
+        pod.load.prompt_tokens_pending, pod.load.sent_tokens_scraped = load[wire.PROMPT_TOKENS_PENDING], sent
         if not pod.healthy:
             logger.info("pod %s is up", pod.url)
         pod.healthy, pod.last_ok, pod.failures = True, time.monotonic(), 0

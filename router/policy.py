@@ -4,10 +4,17 @@
 looking at any pod's load), kept so that a benchmark can compare the policies through the same router,
 whose own cost is then the same on every side.
 
-`least-load` ranks pods by the requests on them: the larger of the router's own in-flight count (exact
-and fresh, but blind to other routers' traffic) and the waiting + running requests of the pod's last
-scrape (every router's, but up to one scrape interval old); their maximum never counts a request twice.
-KV-cache usage breaks ties, then a rotating start, so that idle pods share the traffic evenly.
+`least-load` ranks pods by the work a new prompt would find ahead of it there: the prompt tokens still
+to prefill, plus `REQUEST_TOKENS` for each request on the pod. A prompt's first token waits for the
+prefill queued before it, so a long prompt being prefilled weighs more than a few decoding requests (a
+running request adds a few ms to each step, a prompt token ~0.7 ms on one core). The prefill ahead is the
+pod's `iterserve:num_prompt_tokens_pending` at the last scrape plus what this router has sent it since
+that scrape began (estimated from the body's size), so a burst does not land on one pod between two
+scrapes. The requests are the larger of the router's own in-flight count (exact and fresh, but blind to
+other routers' traffic) and the waiting + running requests of the pod's last scrape (every router's, but
+up to one scrape interval old); their maximum never counts a request twice. A pod that exports no
+pending-token gauge (another server) is ranked by its requests alone, as before. KV-cache usage breaks
+ties, then a rotating start, so that idle pods share the traffic evenly.
 
 `prefix-hash` is consistent hashing with bounded load (CHWBL, as KubeAI routes): the prompt's prefix is
 hashed onto a ring of virtual nodes, and the request goes to the first pod clockwise whose in-flight
@@ -24,6 +31,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("least-load", "prefix-hash", "round-robin")
+REQUEST_TOKENS = 32  # a request on a pod, in prompt tokens of prefill ahead (see the module's docstring)
+BODY_BYTES_PER_TOKEN = 4  # a request body's size over its prompt's tokens: JSON text, ~4 characters a token
+
+
+def estimated_tokens(body_bytes: int) -> float:
+    """The prompt tokens of a request body of `body_bytes` bytes, for the pending-prefill count."""
+    return body_bytes / BODY_BYTES_PER_TOKEN
 
 
 @dataclass
@@ -35,6 +49,16 @@ class PodLoad:
     waiting: float = 0.0  # vllm:num_requests_waiting at the last scrape
     running: float = 0.0  # vllm:num_requests_running at the last scrape
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc at the last scrape, 0..1
+    prompt_tokens_pending: float = 0.0  # iterserve:num_prompt_tokens_pending at the last scrape
+    sent_tokens: float = 0.0  # estimated prompt tokens this router has sent the pod, all along
+    sent_tokens_scraped: float = 0.0  # sent_tokens when the last successful scrape began
+
+    def prefill_ahead(self) -> float:
+        """Prompt tokens a new prompt would wait behind: the pod's at its last scrape, and this router's since."""
+        return self.prompt_tokens_pending + self.sent_tokens - self.sent_tokens_scraped
+
+    def work_ahead(self) -> float:
+        return self.prefill_ahead() + REQUEST_TOKENS * max(self.in_flight, self.waiting + self.running)
 
 
 @dataclass(frozen=True)
@@ -53,8 +77,7 @@ class LeastLoad:
         self._turn += 1
         n = len(pods)
         # the rotating start index is the last tie-break: equally loaded pods take turns
-        best = min(range(n), key=lambda i: (max(pods[i].in_flight, pods[i].waiting + pods[i].running),
-                                            pods[i].kv_usage, (i - self._turn) % n))
+        best = min(range(n), key=lambda i: (pods[i].work_ahead(), pods[i].kv_usage, (i - self._turn) % n))
         return Decision(pods[best].name)
 
 

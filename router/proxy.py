@@ -28,7 +28,7 @@ from aiohttp import web
 
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.pods import PodSet
-from iterserve.router.policy import LeastLoad
+from iterserve.router.policy import LeastLoad, estimated_tokens
 from iterserve.router.prefix_key import routing_key
 
 logger = logging.getLogger("iterserve.router")
@@ -176,6 +176,7 @@ class Router:
             pod = self.pods.pods[decision.pod]
             tried.add(pod.url)
             pod.load.in_flight += 1
+            pod.load.sent_tokens += estimated_tokens(len(body))
             try:
                 answer = await self._attempt(pod, request, headers, body, arrived)
             finally:

@@ -97,6 +97,35 @@ def test_least_load_avoids_a_pod_with_queued_work(pods, router):
     assert routed(router, other) == before[1] + 4
 
 
+def test_least_load_weighs_the_prefill_ahead_above_a_request_count(pods, router):
+    """Pod 0 runs one long generation with a 400-token prompt queued behind it; pod 1 runs one with two
+    one-token prompts queued (sent straight to the pods: the router sees them only in its scrapes). Pod 1
+    has more requests, pod 0 more work ahead of a new prompt's first token: the new prompt goes to pod 1."""
+    busy, other = pods
+    generation = {"model": "m", "prompt": [5], "max_tokens": 480, "ignore_eos": True}
+
+    def queued(prompt: list[int]) -> dict:
+        return {"model": "m", "prompt": prompt, "max_tokens": 1}
+
+    def running(pod: str) -> float:
+        return metric_value(httpx.get(pod + "/metrics").text, "vllm:num_requests_running")
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        held = [pool.submit(httpx.post, pod + "/v1/completions", json=generation, timeout=120) for pod in pods]
+        wait_until(lambda: running(busy) == running(other) == 1, timeout=30, what="both generations running",
+                   interval=0.02)
+        held += [pool.submit(httpx.post, busy + "/v1/completions", json=queued([7] * 400), timeout=120)]
+        held += [pool.submit(httpx.post, other + "/v1/completions", json=queued([9]), timeout=120)
+                 for _ in range(2)]
+        wait_until(lambda: router_gauge(router, "iterserve:router_pod_prefill_ahead_tokens", busy) >= 400
+                   and router_gauge(router, "iterserve:router_pod_waiting", other) == 2, timeout=30,
+                   what="the router to scrape both queues", interval=0.02)
+        before = routed(router, busy), routed(router, other)
+        assert _client(router).completions.create(model="m", prompt="short", max_tokens=2).choices
+        assert all(f.result().status_code == 200 for f in held)
+    assert (routed(router, busy), routed(router, other)) == (before[0], before[1] + 1)
+
+
 def test_least_load_counts_its_own_requests_in_flight(pods, router):
     """A stream the router is relaying makes its pod the busier one at once, before any scrape."""
     client = _client(router)

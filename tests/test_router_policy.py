@@ -28,6 +28,14 @@ def loads(**in_flight) -> list[PodLoad]:
     # KV usage breaks a tie
     ([PodLoad("a", in_flight=1, kv_usage=0.9), PodLoad("b", in_flight=1, kv_usage=0.2)], "b"),
     ([PodLoad("a", kv_usage=0.1), PodLoad("b", kv_usage=0.5), PodLoad("c", kv_usage=0.3)], "a"),
+    # the prefill ahead: a long prompt being prefilled outweighs a few decoding requests ...
+    ([PodLoad("a", running=1, prompt_tokens_pending=900), PodLoad("b", running=4)], "b"),
+    # ... but not many of them (32 tokens a request), nor a short prompt's
+    ([PodLoad("a", running=1, prompt_tokens_pending=100), PodLoad("b", running=8)], "a"),
+    ([PodLoad("a", running=2, prompt_tokens_pending=20), PodLoad("b", running=3)], "a"),
+    # what this router sent since the last scrape counts, what that scrape already counted does not
+    ([PodLoad("a", sent_tokens=1000, sent_tokens_scraped=200), PodLoad("b", running=4)], "b"),
+    ([PodLoad("a", sent_tokens=1000, sent_tokens_scraped=1000), PodLoad("b", running=4)], "a"),
 ])
 def test_least_load_picks_the_least_queued(pods, expected):
     assert LeastLoad().pick(pods).pod == expected

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from iterserve.common import wire
 from iterserve.server.engine.core_client import EngineClient, StepInfo
 
 # vLLM's bucket lists (vllm/v1/metrics/loggers.py) ...
@@ -119,6 +120,9 @@ class Metrics:
         self.draining = own_gauge("iterserve:draining", "1 while the server drains after SIGTERM, else 0.")
         self.in_flight = own_gauge("iterserve:num_requests_in_flight",
                                    "HTTP-side requests (choices) queued or running, not yet answered.")
+        self.prompt_tokens_pending = own_gauge(wire.PROMPT_TOKENS_PENDING,
+                                               "Prompt tokens of requests in flight that have no output yet: "
+                                               "the prefill ahead of a prompt that arrives now.")
         # 0 for a kernel means the engine runs the slower torch path in its place (no series off CPU fp32)
         cpu_kernels = Gauge("iterserve:cpu_kernels_available",
                             "1 when the C++ CPU kernel serves, 0 when the slower torch path stands in for it.",
@@ -182,6 +186,7 @@ class Metrics:
         self._seen_failures = snap["num_step_failures"]
         self.draining.set(1 if draining else 0)
         self.in_flight.set(self.engine.num_in_flight)
+        self.prompt_tokens_pending.set(self.engine.num_prompt_tokens_pending)
         return generate_latest(self.registry)
 
     # -- engine thread ---------------------------------------------------------------------------

@@ -94,7 +94,10 @@ class EngineClient:
         self.cpu_kernels: dict[str, bool] = {}  # from the core's Ready: C++ CPU kernel -> serving
         # request id -> (event loop, queue) of the coroutine awaiting its outputs
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()  # _streams and the output processor
+        self._lock = threading.Lock()  # _streams, _unprefilled and the output processor
+        # request id -> prompt tokens, until the request's first output: the prefill still ahead of the
+        # pod's new prompts, for a load-aware router (`num_prompt_tokens_pending`)
+        self._unprefilled: dict[str, int] = {}
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe
         # call id -> (event loop, future) of a coroutine awaiting the core's reply (knobs, cache reset)
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -207,6 +210,7 @@ class EngineClient:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             # registered before the core can see the request, so no output can be missed
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._unprefilled[request_id] = len(req.prompt_token_ids)
             self.output_processor.add_request(request_id, req.prompt_token_ids, req.sampling_params,
                                               req.arrival_time)
         self._send(AddRequest(request_id, req.prompt_token_ids, req.sampling_params, req.priority, req.arrival_time))
@@ -235,6 +239,7 @@ class EngineClient:
         """Stop a request; nothing more is delivered for it."""
         with self._lock:
             known = self._streams.pop(request_id, None) is not None
+            self._unprefilled.pop(request_id, None)
         if known and self._alive:
             self._send(Abort([request_id]))
 
@@ -276,6 +281,13 @@ class EngineClient:
     def num_in_flight(self) -> int:
         """Requests added through this client whose final output has not been delivered yet."""
         return len(self._streams)
+
+    @property
+    def num_prompt_tokens_pending(self) -> int:
+        """Prompt tokens of the requests in flight that have produced no output yet: the prefill work
+        queued ahead of a prompt that arrives now (prefix-cache hits included, which cost little)."""
+        with self._lock:
+            return sum(self._unprefilled.values())
 
     @property
     def knobs(self) -> Knobs:
@@ -336,6 +348,8 @@ class EngineClient:
             error = EngineStepError(message.message)
             with self._lock:
                 streams = {rid: self._streams.pop(rid) for rid in message.request_ids if rid in self._streams}
+                for rid in message.request_ids:
+                    self._unprefilled.pop(rid, None)
             self._put(streams.values(), error)
 
     def _observe(self, info: StepInfo) -> None:
@@ -349,6 +363,7 @@ class EngineClient:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
             for out in outputs:
+                self._unprefilled.pop(out.request_id, None)
                 target = self._streams.get(out.request_id)
                 if target is None:
                     continue  # aborted by its consumer; its last outputs go nowhere
@@ -361,6 +376,7 @@ class EngineClient:
     def _fail_all(self, error: BaseException) -> list[str]:
         with self._lock:
             streams, self._streams = self._streams, {}
+            self._unprefilled.clear()
         self._put(streams.values(), error)
         return list(streams)
 
