@@ -6,7 +6,8 @@ Two routings, one per way a service is reached:
   load): every ready pod gets the same share of the arrivals, so a backlog a pod took before its peers
   were ready stays on it and drains only at what its capacity has left over its share.
 - `least-load`: `spec.router` with its default policy (router/policy.py's `LeastLoad`: the pod with the
-  fewest waiting + running requests). As a fluid: a pod whose queue is longer than its peers' gets no new
+  least work ahead, prompt tokens to prefill and requests; a fluid of equal requests has no prompt of its
+  own, so here the queue alone). As a fluid: a pod whose queue is longer than its peers' gets no new
   arrivals until it has drained to their level, then an even share; when the whole fleet is over
   capacity, arrivals keep the queues level (water-filling).
 

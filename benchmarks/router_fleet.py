@@ -1,24 +1,29 @@
 """What the router's policies buy over round-robin, live: two iterserve servers behind `iterserve router`.
 
     python benchmarks/router_fleet.py [--rounds 2] [--requests 60] [--rate 1.0] [--seed 5]
-                                      [--workloads mixed,shared-mix] [--policies round-robin,least-load,prefix-hash]
+                                      [--workloads mixed,shared-mix]
+                                      [--policies round-robin,least-requests,least-load,prefix-hash]
                                       [--threads 1] [--max-model-len 2048] [--out F.json]
 
 Two real `iterserve serve` processes on loopback (the bundled SmolLM2-135M, `--threads` each) stay up
-for the whole run. For every workload, each round runs every policy in turn (A B C A B C): it starts the
-real `iterserve router --endpoints <both> --policy P`, empties both servers' prefix caches
-(POST /admin/reset_prefix_cache) so that every run starts from the same state, drives the same seeded
+for the whole run. For every workload, each round runs every policy in turn, in reverse order every
+other round (A B C, C B A): it starts the real `iterserve router --endpoints <both> --policy P` (or a
+`label=router args` entry's arguments), empties both servers' prefix caches (POST
+/admin/reset_prefix_cache) so that every run starts from the same state, drives the same seeded
 open-loop Poisson `iterserve bench` load through the router, and stops the router. `round-robin` is what a
 Kubernetes Service gives; running it through the same router makes the policy the only difference, the
-router's own cost being the same on every side.
+router's own cost being the same on every side. `least-requests` is least-load without the pending
+prompt tokens (router/policy.py).
 
 The default workloads make the pods' loads diverge: `mixed` (chat turns, long summaries, long generations:
 a round-robin pod can get two long prompts in a row while the other idles) and `shared-mix` (system
 prompts and conversations sharing long prefixes, which prefix-hash keeps on the pod that caches them).
 Pick `--rate` near the pair's capacity: far below it every policy finds idle pods, far above it every
-queue grows without bound. Printed: every run, then per workload the medians over rounds of TTFT and TPOT
-p50/p99 and output tok/s, round-robin's p99 TTFT over each policy's, and the requests each pod got in
-each round (the bench's model list and probe included).
+queue grows without bound; and enough `--requests` that the p99 is not the one longest prompt's own
+prefill (mixed's 2,016-token summary takes ~2 s on one thread with nothing ahead of it, whatever the
+policy). Printed: every run, then per workload the medians over rounds of TTFT and TPOT p50/p99 and
+output tok/s, round-robin's p99 TTFT over each policy's, and the requests each pod got in each round (the
+bench's model list and probe included).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import signal
 import statistics
 import subprocess
@@ -44,7 +50,7 @@ from benchmarks.prepare_model import prepare_hf_model  # noqa: E402
 from iterserve.bench.load import BenchConfig, run_bench  # noqa: E402
 from iterserve.bench.workload import SHAPES, WorkloadSpec, parse_length  # noqa: E402
 
-POLICIES = ("round-robin", "least-load", "prefix-hash")
+POLICIES = ("round-robin", "least-requests", "least-load", "prefix-hash")
 BASELINE = "round-robin"
 FIGURES = (("TTFT p50", ("ttft_ms", "p50")), ("TTFT p99", ("ttft_ms", "p99")), ("TPOT p50", ("tpot_ms", "p50")),
            ("TPOT p99", ("tpot_ms", "p99")), ("out tok/s", ("output_throughput",)))
@@ -56,10 +62,11 @@ class RouterProcess:
     def __init__(self, pods: list[str], policy: str, log_dir: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        label, args = router_args(policy)
         cmd = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "router", "--host", "127.0.0.1",
-               "--port", str(self.port), "--endpoints", ",".join(pods), "--policy", policy,
+               "--port", str(self.port), "--endpoints", ",".join(pods), *args,
                "--drain-timeout", "0", "--log-level", "warning"]
-        self.log = log_dir / f"router-{policy}-{self.port}.log"
+        self.log = log_dir / f"router-{label}-{self.port}.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -89,6 +96,13 @@ class RouterProcess:
 
     def stop(self) -> None:
         stop_session(self.proc, signal.SIGTERM, 15)
+
+
+def router_args(policy: str) -> tuple[str, list[str]]:
+    """A `--policies` entry: a policy's name, or `label=router args` (e.g. `ll128=--policy least-load
+    --request-tokens 128`) to compare a policy's settings."""
+    label, sep, args = policy.partition("=")
+    return (label, shlex.split(args)) if sep else (policy, ["--policy", policy])
 
 
 def reset_prefix_caches(pods: list[str], token: str) -> None:
@@ -140,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=1.0, help="open-loop Poisson arrivals, requests/s")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--workloads", default="mixed,shared-mix", help="comma list of `iterserve bench` shapes")
-    ap.add_argument("--policies", default=",".join(POLICIES), help="comma list; round-robin is the baseline")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma list of policies, or `label=router args` entries; round-robin is the baseline")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each server")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--prefix-len", type=int, default=512, help="shared-prefix shapes: tokens of each prefix")
@@ -173,13 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             for name in workloads:
                 workload = WorkloadSpec(name, seed=args.seed, prefix_len=args.prefix_len,
                                         num_prefixes=args.num_prefixes, output_len=output_len)
-                runs: dict[str, list[dict]] = {p: [] for p in policies}
+                runs: dict[str, list[dict]] = {router_args(p)[0]: [] for p in policies}  # by label
                 for round_no in range(1, args.rounds + 1):
-                    for policy in policies:
+                    # A B C, then C B A: a machine that speeds up or slows down over the run favours no policy
+                    for policy in policies if round_no % 2 else policies[::-1]:
                         r = measure(policy, workload, args, pods, token, Path(tmp))
-                        runs[policy].append(r)
+                        runs[router_args(policy)[0]].append(r)
                         line = "  ".join(f"{label} {figure(r['summary'], path):7.1f}" for label, path in FIGURES)
-                        print(f"  {name} round {round_no}  {policy:<12} {line}  per pod "
+                        print(f"  {name} round {round_no}  {router_args(policy)[0]:<12} {line}  per pod "
                               f"{'/'.join(map(str, r['per_pod']))}  failed {r['summary']['num_failed']}  "
                               f"(load average {os.getloadavg()[0]:.1f})", flush=True)
                 results[name] = {"medians": report(name, runs), "runs": runs}

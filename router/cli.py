@@ -10,7 +10,8 @@ import logging
 
 from iterserve.common import wire
 
-POLICY_CHOICES = ("least-load", "prefix-hash", "round-robin")  # router/policy.py's POLICIES, without importing it here
+# router/policy.py's POLICIES, without importing it here
+POLICY_CHOICES = ("least-load", "least-requests", "prefix-hash", "round-robin")
 
 
 def _positive(kind):
@@ -38,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--load-factor", type=float, default=1.25,
                    help="prefix-hash: a pod takes a key while its in-flight requests stay under this x the "
                         "average (default 1.25; at least 1)")
+    p.add_argument("--request-tokens", type=_positive(float), default=32,
+                   help="least-load: what one request on a pod weighs against the prompt tokens still to prefill "
+                        "there (default 32; larger spreads requests more evenly, smaller follows the prefill)")
     p.add_argument("--prefix-chars", type=_positive(int), default=256,
                    help="prefix-hash: how many characters of the prompt (chat messages rendered as text) are hashed")
     p.add_argument("--scrape-interval", type=_positive(float), default=0.2,
@@ -69,7 +73,8 @@ def build_router(args):
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()] if args.endpoints else None
     discovery = Discovery(endpoints, args.dns_name, port=args.backend_port)
     pods = PodSet(discovery, interval=args.scrape_interval, failure_threshold=args.scrape_failure_threshold)
-    return Router(pods, args.policy, make_policy(args.policy, args.load_factor), prefix_chars=args.prefix_chars,
+    policy = make_policy(args.policy, args.load_factor, args.request_tokens)
+    return Router(pods, args.policy, policy, prefix_chars=args.prefix_chars,
                   connect_timeout=args.connect_timeout, idle_timeout=args.backend_keep_alive_timeout)
 
 

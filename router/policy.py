@@ -16,6 +16,9 @@ up to one scrape interval old); their maximum never counts a request twice. A po
 pending-token gauge (another server) is ranked by its requests alone, as before. KV-cache usage breaks
 ties, then a rotating start, so that idle pods share the traffic evenly.
 
+`least-requests` is least-load without the prefill: the requests alone (KV usage, then turns, breaking
+ties), as AIBrix's least-request routes; kept to measure what the pending tokens buy.
+
 `prefix-hash` is consistent hashing with bounded load (CHWBL, as KubeAI routes): the prompt's prefix is
 hashed onto a ring of virtual nodes, and the request goes to the first pod clockwise whose in-flight
 count stays within `load_factor` x the average. The same prefix therefore lands on the same pod (whose
@@ -30,7 +33,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-POLICIES = ("least-load", "prefix-hash", "round-robin")
+POLICIES = ("least-load", "least-requests", "prefix-hash", "round-robin")
 REQUEST_TOKENS = 32  # a request on a pod, in prompt tokens of prefill ahead (see the module's docstring)
 BODY_BYTES_PER_TOKEN = 4  # a request body's size over its prompt's tokens: JSON text, ~4 characters a token
 
@@ -57,8 +60,12 @@ class PodLoad:
         """Prompt tokens a new prompt would wait behind: the pod's at its last scrape, and this router's since."""
         return self.prompt_tokens_pending + self.sent_tokens - self.sent_tokens_scraped
 
-    def work_ahead(self) -> float:
-        return self.prefill_ahead() + REQUEST_TOKENS * max(self.in_flight, self.waiting + self.running)
+    def requests(self) -> float:
+        """Requests on the pod: this router's in flight, or every client's at the last scrape if more."""
+        return max(self.in_flight, self.waiting + self.running)
+
+    def work_ahead(self, request_tokens: float = REQUEST_TOKENS) -> float:
+        return self.prefill_ahead() + request_tokens * self.requests()
 
 
 @dataclass(frozen=True)
@@ -68,8 +75,10 @@ class Decision:
 
 
 class LeastLoad:
-    def __init__(self) -> None:
+    def __init__(self, prefill: bool = True, request_tokens: float = REQUEST_TOKENS) -> None:
         self._turn = 0
+        self.prefill = prefill  # False: `least-requests`
+        self.request_tokens = request_tokens
 
     def pick(self, pods: Sequence[PodLoad], key: str | None = None) -> Decision:
         if not pods:
@@ -77,7 +86,11 @@ class LeastLoad:
         self._turn += 1
         n = len(pods)
         # the rotating start index is the last tie-break: equally loaded pods take turns
-        best = min(range(n), key=lambda i: (pods[i].work_ahead(), pods[i].kv_usage, (i - self._turn) % n))
+        if self.prefill:
+            best = min(range(n), key=lambda i: (pods[i].work_ahead(self.request_tokens), pods[i].kv_usage,
+                                                (i - self._turn) % n))
+        else:
+            best = min(range(n), key=lambda i: (pods[i].requests(), pods[i].kv_usage, (i - self._turn) % n))
         return Decision(pods[best].name)
 
 
@@ -163,9 +176,11 @@ class PrefixHash:
         raise AssertionError("unreachable: the least loaded pod is always under the bound")
 
 
-def make_policy(name: str, load_factor: float = 1.25):
+def make_policy(name: str, load_factor: float = 1.25, request_tokens: float = REQUEST_TOKENS):
     if name == "least-load":
-        return LeastLoad()
+        return LeastLoad(request_tokens=request_tokens)
+    if name == "least-requests":
+        return LeastLoad(prefill=False)
     if name == "prefix-hash":
         return PrefixHash(load_factor)
     if name == "round-robin":

@@ -41,6 +41,12 @@ def test_least_load_picks_the_least_queued(pods, expected):
     assert LeastLoad().pick(pods).pod == expected
 
 
+def test_least_requests_ignores_the_prefill_ahead():
+    pods = [PodLoad("a", running=1, prompt_tokens_pending=900), PodLoad("b", running=4)]
+    assert make_policy("least-requests").pick(pods).pod == "a"
+    assert make_policy("least-load").pick(pods).pod == "b"
+
+
 def test_round_robin_is_blind_to_load_and_cycles_by_name():
     policy = RoundRobin()
     skewed = loads(p1=50, p2=0, p3=7)  # load does not matter: what a Kubernetes Service does
