@@ -5,7 +5,7 @@
                                      [--dtype auto|float32|bfloat16]
                                      [--vllm-configs eager,compiled] [--c1-requests 16] [--out F.json]
 
-Each round starts each server in turn (iterserve, then every vLLM configuration: A B C A B C), runs the
+Each round starts each server in turn (iterserve, then every vLLM configuration; C B A every other round), runs the
 same seeded `iterserve bench` load against it (a closed loop at --concurrency, then --c1-requests at
 concurrency 1 for the single-stream TPOT), and stops it, so no idle server shares the CPU with a
 measured one. Both run with the same max_model_len, --dtype (auto, the default: each engine's own
@@ -170,7 +170,7 @@ def main() -> None:
           f"dtype {args.dtype}, {args.threads} threads", flush=True)
     with tempfile.TemporaryDirectory(prefix="iterserve-peer-served-") as tmp:
         for round_no in range(1, args.repeats + 1):
-            for name in names:
+            for name in names if round_no % 2 else names[::-1]:  # reversed every other round: drift favours none
                 r = measure(name, args, model_dir, Path(tmp))
                 runs[name].append(r)
                 line = "  ".join(f"{label} {figure(r['loaded'], path):7.1f}" for label, path in FIGURES)

@@ -8,8 +8,8 @@ vLLM's configurations: its defaults (compiled, max_model_len from the model: 819
 max_model_len matched to the workload (the longest prompt + output rounded up to a power of two), and
 both. `--dtype` applies to both engines: `auto` (the default) is each engine's own choice, which on a
 CPU with native bf16 (AVX-512 BF16, AMX) is bf16 for both, and vLLM picks it even for a float32
-checkpoint; `float32` compares them at full precision. The dtype each side ran is printed. Each round runs iterserve,
-then every vLLM configuration, one after the other (A B C ... A B C),
+checkpoint; `float32` compares them at full precision. The dtype each side ran is printed. Each round runs iterserve
+and every vLLM configuration one after the other, in reverse order every other round (A B C ... C B A),
 and the figures quoted are medians over the rounds. The ratio divides iterserve by vLLM's BEST
 configuration. Start-up is excluded on both sides, and both do one short warm-up generate first.
 
@@ -153,7 +153,9 @@ def main() -> None:
 
     runs: dict[str, list[dict]] = {"iterserve": [], **{f"vllm {name}": [] for name in configs}}
     for round_no in range(1, args.repeats + 1):
-        for key in runs:
+        # A B C, then C B A: the first run after a quiet spell was measured up to 15% slower than the next
+        # (either engine), and the machine's speed drifts; reversing every other round favours neither
+        for key in list(runs) if round_no % 2 else list(runs)[::-1]:
             if key == "iterserve":
                 r = run_iterserve(workload, model_dir, "continuous", args.max_num_seqs, args.threads, args.dtype)
             else:

@@ -8,8 +8,8 @@ resending their history), same seeded load, same machine.
                                       [--vllm-configs eager,compiled]
                                       [--out F.json]
 
-Each round starts each server in turn (iterserve on, iterserve off, every vLLM configuration: A B C A B
-C), runs both workloads against it, one after the other, and stops it, so no idle server shares the CPU
+Each round starts each server in turn (iterserve on, iterserve off, every vLLM configuration; C B A every
+other round), runs both workloads against it, one after the other, and stops it, so no idle server shares the CPU
 with a measured one. Printed: every run, then medians over the rounds of TTFT p50/p99 and output tok/s,
 each server's prefix cache hit rate (vllm:prefix_cache_hits / _queries, scraped from its /metrics before
 and after the workload) beside the workload's theoretical maximum (`max_prefix_hits`: every earlier
@@ -129,7 +129,7 @@ def main() -> None:
           f"{args.max_model_len}, dtype {args.dtype}, {args.threads} threads", flush=True)
     with tempfile.TemporaryDirectory(prefix="iterserve-prefix-cache-") as tmp:
         for round_no in range(1, args.repeats + 1):
-            for name in names:
+            for name in names if round_no % 2 else names[::-1]:  # reversed every other round: drift favours none
                 r = measure(name, args, model_dir, Path(tmp))
                 runs[name].append(r)
                 for shape in WORKLOADS:
