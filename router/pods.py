@@ -110,7 +110,7 @@ class PodSet:
 
     async def _scrape(self, pod: Pod) -> None:
         assert self._session is not None  # made by start() before the first refresh
-        sent = pod.load.sent_tokens  # what the pod will count as pending once this scrape's answer is in
+        covered = list(pod.load.unscraped)  # requests the pod counts by the time this scrape reaches it
         try:
             async with self._session.get(pod.url + "/metrics") as r:
                 status, text = r.status, await r.text()
@@ -126,7 +126,9 @@ class PodSet:
             return
         pod.load.waiting, pod.load.running, pod.load.kv_usage = (load[wire.WAITING], load[wire.RUNNING],
                                                               load[wire.KV_USAGE])
-        pod.load.prompt_tokens_pending, pod.load.sent_tokens_scraped = load[wire.PROMPT_TOKENS_PENDING], sent
+        pod.load.prompt_tokens_pending, pod.load.ended = load[wire.PROMPT_TOKENS_PENDING], 0
+        for request in covered:
+            pod.load.unscraped.pop(request, None)
         if not pod.healthy:
             logger.info("pod %s is up", pod.url)
         pod.healthy, pod.last_ok, pod.failures = True, time.monotonic(), 0

@@ -8,13 +8,14 @@ whose own cost is then the same on every side.
 to prefill, plus `REQUEST_TOKENS` for each request on the pod. A prompt's first token waits for the
 prefill queued before it, so a long prompt being prefilled weighs more than a few decoding requests (a
 running request adds a few ms to each step, a prompt token ~0.7 ms on one core). The prefill ahead is the
-pod's `iterserve:num_prompt_tokens_pending` at the last scrape plus what this router has sent it since
-that scrape began (estimated from the body's size), so a burst does not land on one pod between two
-scrapes. The requests are the larger of the router's own in-flight count (exact and fresh, but blind to
-other routers' traffic) and the waiting + running requests of the pod's last scrape (every router's, but
-up to one scrape interval old); their maximum never counts a request twice. A pod that exports no
-pending-token gauge (another server) is ranked by its requests alone, as before. KV-cache usage breaks
-ties, then a rotating start, so that idle pods share the traffic evenly.
+pod's `iterserve:num_prompt_tokens_pending` at the last scrape plus this router's requests in flight
+there that no scrape has counted yet (their prompts estimated from the body's size), so a burst does not
+land on one pod between two scrapes, and a request that has ended weighs nothing. The requests are the
+larger of the router's own in-flight count (exact and fresh, but blind to other routers' traffic) and
+the waiting + running requests of the pod's last scrape (every router's, but up to one scrape interval
+old, less this router's requests it counted that have ended since); their maximum never counts a
+request twice. A pod that exports no pending-token gauge (another server) is ranked by its requests
+alone. KV-cache usage breaks ties, then a rotating start, so that idle pods share the traffic evenly.
 
 `least-requests` is least-load without the prefill: the requests alone (KV usage, then turns, breaking
 ties), as AIBrix's least-request routes; kept to measure what the pending tokens buy.
@@ -31,7 +32,7 @@ import bisect
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 POLICIES = ("least-load", "least-requests", "prefix-hash", "round-robin")
 REQUEST_TOKENS = 32  # a request on a pod, in prompt tokens of prefill ahead (see the module's docstring)
@@ -53,16 +54,19 @@ class PodLoad:
     running: float = 0.0  # vllm:num_requests_running at the last scrape
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc at the last scrape, 0..1
     prompt_tokens_pending: float = 0.0  # iterserve:num_prompt_tokens_pending at the last scrape
-    sent_tokens: float = 0.0  # estimated prompt tokens this router has sent the pod, all along
-    sent_tokens_scraped: float = 0.0  # sent_tokens when the last successful scrape began
+    # this router's requests in flight there that no successful scrape has counted yet: id -> their
+    # estimated prompt tokens (router/pods.py drops those a scrape covered, router/proxy.py finished ones)
+    unscraped: dict[int, float] = field(default_factory=dict)
+    ended: int = 0  # this router's requests the last scrape counted that have ended since
 
     def prefill_ahead(self) -> float:
         """Prompt tokens a new prompt would wait behind: the pod's at its last scrape, and this router's since."""
-        return self.prompt_tokens_pending + self.sent_tokens - self.sent_tokens_scraped
+        return self.prompt_tokens_pending + sum(self.unscraped.values())
 
     def requests(self) -> float:
-        """Requests on the pod: this router's in flight, or every client's at the last scrape if more."""
-        return max(self.in_flight, self.waiting + self.running)
+        """Requests on the pod: this router's in flight, or every client's at the last scrape (less this
+        router's that have ended since) if more."""
+        return max(self.in_flight, self.waiting + self.running - self.ended)
 
     def work_ahead(self, request_tokens: float = REQUEST_TOKENS) -> float:
         return self.prefill_ahead() + request_tokens * self.requests()

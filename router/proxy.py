@@ -176,11 +176,13 @@ class Router:
             pod = self.pods.pods[decision.pod]
             tried.add(pod.url)
             pod.load.in_flight += 1
-            pod.load.sent_tokens += estimated_tokens(len(body))
+            pod.load.unscraped[id(request)] = estimated_tokens(len(body))  # until a scrape counts it, or it ends
             try:
                 answer = await self._attempt(pod, request, headers, body, arrived)
             finally:
                 pod.load.in_flight -= 1
+                if pod.load.unscraped.pop(id(request), None) is None:
+                    pod.load.ended += 1  # the pod's last scrape counted it: that count is one too high now
             if answer is not None:
                 return answer
 

@@ -25,6 +25,8 @@ def loads(**in_flight) -> list[PodLoad]:
     ([PodLoad("a", in_flight=0, running=3), PodLoad("b", in_flight=2)], "b"),  # another router's traffic
     ([PodLoad("a", in_flight=2, running=2), PodLoad("b", in_flight=0, running=3)], "a"),  # counted once
     ([PodLoad("a", in_flight=1, waiting=1), PodLoad("b", in_flight=3)], "a"),
+    # the scrape counted two of this router's requests that have ended since: b runs one, not three
+    ([PodLoad("a", running=2), PodLoad("b", running=3, ended=2)], "b"),
     # KV usage breaks a tie
     ([PodLoad("a", in_flight=1, kv_usage=0.9), PodLoad("b", in_flight=1, kv_usage=0.2)], "b"),
     ([PodLoad("a", kv_usage=0.1), PodLoad("b", kv_usage=0.5), PodLoad("c", kv_usage=0.3)], "a"),
@@ -33,9 +35,9 @@ def loads(**in_flight) -> list[PodLoad]:
     # ... but not many of them (32 tokens a request), nor a short prompt's
     ([PodLoad("a", running=1, prompt_tokens_pending=100), PodLoad("b", running=8)], "a"),
     ([PodLoad("a", running=2, prompt_tokens_pending=20), PodLoad("b", running=3)], "a"),
-    # what this router sent since the last scrape counts, what that scrape already counted does not
-    ([PodLoad("a", sent_tokens=1000, sent_tokens_scraped=200), PodLoad("b", running=4)], "b"),
-    ([PodLoad("a", sent_tokens=1000, sent_tokens_scraped=1000), PodLoad("b", running=4)], "a"),
+    # what this router sent since the last scrape counts (its requests still in flight)
+    ([PodLoad("a", unscraped={1: 600, 2: 200}), PodLoad("b", running=4)], "b"),
+    ([PodLoad("a", unscraped={1: 20}), PodLoad("b", running=4)], "a"),
 ])
 def test_least_load_picks_the_least_queued(pods, expected):
     assert LeastLoad().pick(pods).pod == expected
