@@ -82,12 +82,14 @@ class EngineCoreLoop:
             except InvalidRequestError as e:
                 self.channel.send(KnobsReply(message.call_id, None, e.param, e.message))
                 return
-            self.channel.send(KnobsReply(message.call_id, knobs.as_dict()))
+            # the snapshot first: the client handles messages in order, so the caller that awaits the reply
+            # and then reads the knobs (GET /admin/scheduler, /metrics) finds them already in force
             self.channel.send(StepReport([], None, self.snapshot()))
+            self.channel.send(KnobsReply(message.call_id, knobs.as_dict()))
         elif isinstance(message, ResetPrefixCache):
             num_blocks = core.reset_prefix_cache()  # between steps: this loop is the engine thread
-            self.channel.send(PrefixCacheReset(message.call_id, num_blocks))
             self.channel.send(StepReport([], None, self.snapshot()))
+            self.channel.send(PrefixCacheReset(message.call_id, num_blocks))
 
     def _step(self) -> None:
         core, stats = self.core, self.core.stats
