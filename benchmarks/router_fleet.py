@@ -193,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                     # A B C, then C B A: a machine that speeds up or slows down over the run favours no policy
                     for policy in policies if round_no % 2 else policies[::-1]:
                         r = measure(policy, workload, args, pods, token, Path(tmp))
-                        runs[router_args(policy)[0]].append(r)
+                        who = router_args(policy)[0]
+                        runs[who].append(r)
                         line = "  ".join(f"{label} {figure(r['summary'], path):7.1f}" for label, path in FIGURES)
-                        print(f"  {name} round {round_no}  {router_args(policy)[0]:<12} {line}  per pod "
+                        print(f"  {name} round {round_no}  {who:<12} {line}  per pod "
                               f"{'/'.join(map(str, r['per_pod']))}  failed {r['summary']['num_failed']}  "
                               f"(load average {os.getloadavg()[0]:.1f})", flush=True)
                 results[name] = {"medians": report(name, runs), "runs": runs}
