@@ -7,12 +7,16 @@ hidden under a model's own latency. The client is a raw asyncio HTTP/1.1 client 
 connections, for the same reason.
 
 1. Added latency: `--streams` clients loop on streaming requests, directly to the stand-in and through the
-   router, interleaved (A B A B); the time to the first SSE event is compared (p50, p99 of each, and their
+   router, interleaved (A B A B), once with their starts staggered over one response's length (independent
+   clients: requests reach the router spread out) and once all started together (lockstep: every response
+   lasts as long, so each round of requests reaches the router as one burst of `--streams`, which its one
+   event loop takes in turn); the time to the first SSE event is compared (p50, p99 of each, and their
    differences, medians over the rounds), and split: the first request on each client connection (a new
    connection to the router, which may open a new one to the pod) against the later ones; the
    connections the router opened to the pod in each round come from its own counter. `--baseline-args`
    measures a second router with other flags in the same rounds (e.g. `--backend-keep-alive-timeout 3`,
-   the 3 s pool the router once kept, which opened a connection for every stream of every round).
+   the 3 s pool the router once kept, which opened a connection for every stream of every round), and
+   `--baseline-checkout DIR` a router from another checkout (`git worktree add DIR COMMIT`): old code, new code.
    The router's own histogram of what it adds is printed too.
    The router is pinned to one core (taskset) and the stand-ins and this client to the others, so that
    the router's work and the load generator's do not queue behind each other.
@@ -24,6 +28,7 @@ connections, for the same reason.
 
     python benchmarks/router_overhead.py            # defaults: 100 streams, 4 rounds
     python benchmarks/router_overhead.py --baseline-args "--backend-keep-alive-timeout 3"
+    git worktree add /tmp/before HEAD~1 && python benchmarks/router_overhead.py --baseline-checkout /tmp/before
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import socket
 import statistics
@@ -105,14 +111,19 @@ async def _one(reader, writer, body: bytes) -> float:
             return first
 
 
-async def load(url_port: int, clients: int, seconds: float, body: bytes) -> tuple[list[float], list[float]]:
+async def load(url_port: int, clients: int, seconds: float, body: bytes, spread: float = 0.0, seed: int = 0
+               ) -> tuple[list[float], list[float]]:
     """`clients` closed-loop connections for `seconds`: the first-event times of the first request on each
-    connection, and of the later ones (a new connection through the router may mean a new one to the pod)."""
+    connection, and of the later ones (a new connection through the router may mean a new one to the pod).
+    `spread`: each client starts at a random instant within that many seconds (seeded), not all at once."""
     first: list[float] = []
     later: list[float] = []
     deadline = time.perf_counter() + seconds
+    rng = random.Random(seed)
+    starts = [rng.uniform(0, spread) for _ in range(clients)]
 
-    async def client():
+    async def client(delay: float):
+        await asyncio.sleep(delay)
         reader, writer = await asyncio.open_connection("127.0.0.1", url_port)
         try:
             first.append(await _one(reader, writer, body))
@@ -121,7 +132,7 @@ async def load(url_port: int, clients: int, seconds: float, body: bytes) -> tupl
         finally:
             writer.close()
 
-    await asyncio.gather(*(client() for _ in range(clients)))
+    await asyncio.gather(*(client(delay) for delay in starts))
     return first, later
 
 
@@ -131,12 +142,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], port: int, cpu: str | None = None) -> subprocess.Popen:
-    """`cmd`, once it answers /metrics; its output goes to a temporary file, shown if it fails."""
+def start(cmd: list[str], port: int, cpu: str | None = None, checkout: str | None = None) -> subprocess.Popen:
+    """`cmd`, once it answers /metrics; its output goes to a temporary file, shown if it fails.
+    `checkout`: the root of another checkout of iterserve, whose code `cmd` runs instead."""
     if cpu is not None:
         cmd = ["taskset", "-c", cpu, *cmd]
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = os.environ | {"PYTHONPATH": checkout} if checkout else None
+    # (run from there: `-m` puts the working directory first on the path, and each checkout's root holds
+    # the `iterserve` package that finds the code beside it)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=checkout)
     proc.log = log  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -198,26 +213,34 @@ def describe(row: dict[str, dict[str, float]]) -> str:
 
 def stream_rounds(args, up_port: int, routers: dict[str, tuple[subprocess.Popen, int]]) -> None:
     """Added latency to the first SSE event: each round runs direct, then through each router (A B A B:
-    drift on a shared machine hits every side alike); per round, medians, and each router's CPU time."""
+    drift on a shared machine hits every side alike), once per arrival pattern; per round, medians, and
+    each router's CPU time."""
     body = b'{"model": "m", "prompt": "hello", "max_tokens": 32, "stream": true}'
-    rows: list[dict[str, dict[str, float]]] = []
+    spreads = {"lockstep": 0.0, "staggered": args.events * args.itl}  # staggered: over one response's length
+    rows: dict[str, list[dict[str, dict[str, float]]]] = {mode: [] for mode in args.arrivals}
     cpu = dict.fromkeys(routers, 0.0)
     for r in range(args.rounds):
-        row = {"direct": stats(*asyncio.run(load(up_port, args.streams, args.seconds, body)))}
-        for label in (list(routers) if r % 2 == 0 else list(routers)[::-1]):  # each router first in turn
-            proc, port = routers[label]
-            before, opened = cpu_seconds(proc.pid), upstream_connections(port)
-            row[label] = stats(*asyncio.run(load(port, args.streams, args.seconds, body)))
-            cpu[label] += cpu_seconds(proc.pid) - before
-            row[label]["opened"] = upstream_connections(port) - opened
-        rows.append(row)
-        print(f"round {r}: {describe(row)}")
-    med = {side: {k: statistics.median(row[side][k] for row in rows) for k in rows[0][side]} for side in rows[0]}
-    print(f"median over rounds, {args.streams} streams: {describe(med)}")
+        for mode in args.arrivals:
+            spread = spreads[mode]
+            row = {"direct": stats(*asyncio.run(load(up_port, args.streams, args.seconds, body, spread, r)))}
+            for label in (list(routers) if r % 2 == 0 else list(routers)[::-1]):  # each router first in turn
+                proc, port = routers[label]
+                before, opened = cpu_seconds(proc.pid), upstream_connections(port)
+                row[label] = stats(*asyncio.run(load(port, args.streams, args.seconds, body, spread, r)))
+                cpu[label] += cpu_seconds(proc.pid) - before
+                row[label]["opened"] = upstream_connections(port) - opened
+            rows[mode].append(row)
+            print(f"round {r}, {mode}: {describe(row)}")
+    for mode, mode_rows in rows.items():
+        med = {side: {k: statistics.median(row[side][k] for row in mode_rows) for k in mode_rows[0][side]}
+               for side in mode_rows[0]}
+        print(f"median over rounds, {args.streams} streams, {mode}: {describe(med)}")
+    runs = args.rounds * len(args.arrivals)
     for label, (_, port) in routers.items():
-        streamed = sum(row[label]["n"] for row in rows)
-        print(f"{label}: new connections to the pod by round {[int(row[label]['opened']) for row in rows]}; CPU "
-              f"{cpu[label] / (args.rounds * args.seconds) * 100:.0f}% of a core, {cpu[label] / streamed * 1e6:.0f} us "
+        streamed = sum(row[label]["n"] for mode_rows in rows.values() for row in mode_rows)
+        print(f"{label}: new connections to the pod by round "
+              f"{[int(row[label]['opened']) for mode_rows in rows.values() for row in mode_rows]}; CPU "
+              f"{cpu[label] / (runs * args.seconds) * 100:.0f}% of a core, {cpu[label] / streamed * 1e6:.0f} us "
               f"per streamed request ({args.events + 1} chunks relayed each); its own added-latency histogram "
               f"(seconds):\n{router_histogram(port)}")
 
@@ -229,12 +252,19 @@ def main() -> int:
     p.add_argument("--events", type=int, default=32, help="SSE events per stand-in response")
     p.add_argument("--itl", type=float, default=0.02, help="seconds between the stand-in's events")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--arrivals", default="staggered,lockstep", type=lambda v: v.split(","),
+                   help="how the streams start, each measured in every round: 'staggered' (each at a random instant "
+                        "within one response's length, as independent clients would) and 'lockstep' (all at once, "
+                        "so every response ends, and the next request arrives, in one burst of --streams)")
     p.add_argument("--seconds", type=float, default=8.0, help="length of each measured run")
     p.add_argument("--rps-clients", type=int, default=32)
     p.add_argument("--router-args", default="", help="more `iterserve router` flags for the router measured")
     p.add_argument("--baseline-args", default=None,
                    help="also measure a second router with these flags, interleaved in the same rounds (e.g. "
                         "'--backend-keep-alive-timeout 3', the pool the router kept before)")
+    p.add_argument("--baseline-checkout", default=None,
+                   help="run the baseline router from another checkout's root (e.g. `git worktree add DIR COMMIT`), "
+                        "to compare code, not flags")
     p.add_argument("--router-cpu", default="0", help="the core the router is pinned to (taskset -c)")
     p.add_argument("--load-cpus", default=None,
                    help="the cores of the stand-ins and this client (taskset -c list; default: all but the router's)")
@@ -247,23 +277,23 @@ def main() -> int:
     load_cpus = ({int(c) for c in args.load_cpus.split(",")} if args.load_cpus else
                  os.sched_getaffinity(0) - router_cpus) or os.sched_getaffinity(0)
     os.sched_setaffinity(0, load_cpus)  # this client; the stand-ins inherit it
-    up_port, fast_port, fast_router_port = free_port(), free_port(), free_port()
+    up_port, fast_port = free_port(), free_port()
     me = [sys.executable, os.path.abspath(__file__)]
     router = [sys.executable, "-m", "iterserve.server.entrypoints.cli", "router", "--log-level", "warning",
               "--host", "127.0.0.1"]
     procs = [start([*me, "--stand-in", str(up_port), "--events", str(args.events), "--itl", str(args.itl)], up_port),
              start([*me, "--stand-in", str(fast_port), "--events", "1", "--itl", "0"], fast_port)]
     try:
-        flags = {"router": args.router_args} | ({"baseline": args.baseline_args} if args.baseline_args is not None
-                                                 else {})
-        routers = {}
+        flags = {"router": args.router_args} | ({"baseline": args.baseline_args or ""}
+                                                 if args.baseline_args is not None or args.baseline_checkout else {})
+        routers, fast_routers = {}, {}  # in front of the streaming stand-in, and of the one-event one
         for label, extra in flags.items():
-            port = free_port()
-            procs.append(start([*router, *extra.split(), "--port", str(port), "--endpoints",
-                                f"http://127.0.0.1:{up_port}"], port, args.router_cpu))
-            routers[label] = (procs[-1], port)
-        procs.append(start([*router, *args.router_args.split(), "--port", str(fast_router_port),
-                            "--endpoints", f"http://127.0.0.1:{fast_port}"], fast_router_port, args.router_cpu))
+            for into, upstream in ((routers, up_port), (fast_routers, fast_port)):
+                port = free_port()
+                procs.append(start([*router, *extra.split(), "--port", str(port), "--endpoints",
+                                    f"http://127.0.0.1:{upstream}"], port, args.router_cpu,
+                                   args.baseline_checkout if label == "baseline" else None))
+                into[label] = (procs[-1], port)
         print(f"# router_overhead: {args.streams} concurrent streams of {args.events} SSE events {args.itl * 1e3:g} ms "
               f"apart from a STAND-IN upstream; {args.rounds} interleaved rounds of {args.seconds:g} s; routers "
               f"{ {label: extra or '(defaults)' for label, extra in flags.items()} } pinned to cpu {args.router_cpu}, "
@@ -273,17 +303,20 @@ def main() -> int:
         stream_rounds(args, up_port, routers)
 
         one = b'{"model": "m", "prompt": "hello", "max_tokens": 1}'
-        rates = []
-        for _ in range(2):
+        rates: dict[str, list[tuple[float, float, float]]] = {label: [] for label in fast_routers}
+        for r in range(2):
             direct = sum(asyncio.run(load(fast_port, args.rps_clients, args.seconds, one)), [])
-            before = cpu_seconds(procs[-1].pid)
-            routed = sum(asyncio.run(load(fast_router_port, args.rps_clients, args.seconds, one)), [])
-            used = cpu_seconds(procs[-1].pid) - before
-            rates.append((len(direct) / args.seconds, len(routed) / args.seconds, len(routed) / used))
-        d, r, per_cpu = (statistics.median(c) for c in zip(*rates, strict=True))
-        print(f"throughput, {args.rps_clients} closed-loop clients, one-event responses: router on one core "
-              f"{r:.0f} requests/s; the stand-in hit directly {d:.0f} requests/s (ratio {d / r:.1f}x); "
-              f"{per_cpu:.0f} requests per second of the router's CPU time (a core of its own would carry that)")
+            for label in (list(fast_routers) if r % 2 == 0 else list(fast_routers)[::-1]):
+                proc, port = fast_routers[label]
+                before = cpu_seconds(proc.pid)
+                routed = sum(asyncio.run(load(port, args.rps_clients, args.seconds, one)), [])
+                used = cpu_seconds(proc.pid) - before
+                rates[label].append((len(direct) / args.seconds, len(routed) / args.seconds, len(routed) / used))
+        for label, runs in rates.items():
+            d, rate, per_cpu = (statistics.median(c) for c in zip(*runs, strict=True))
+            print(f"throughput, {label}, {args.rps_clients} closed-loop clients, one-event responses: router on one "
+                  f"core {rate:.0f} requests/s; the stand-in hit directly {d:.0f} requests/s (ratio {d / rate:.1f}x); "
+                  f"{per_cpu:.0f} requests per second of the router's CPU time (a core of its own would carry that)")
     finally:
         for proc in procs:
             if proc.poll() is not None:  # it died during the run: say why

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import socket
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -52,27 +53,36 @@ class Pod:
     last_ok: float = 0.0
     failures: int = 0
     load: PodLoad = field(init=False)  # what the policies read; the in-flight count is updated in place
+    host: str = field(init=False)  # where the router's connections go (router/upstream.py)
+    port: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.load = PodLoad(self.url)
+        where = urllib.parse.urlsplit(self.url)
+        self.host, self.port = where.hostname or "", where.port or 80
 
 
 class Discovery:
     """Where the pods are: a fixed list, or the addresses a DNS name resolves to (a headless Service)."""
 
     def __init__(self, endpoints: list[str] | None = None, dns_name: str | None = None,
-                 port: int = wire.HTTP_PORT, scheme: str = "http") -> None:
+                 port: int = wire.HTTP_PORT) -> None:
         if bool(endpoints) == bool(dns_name):
             raise ValueError("give either --endpoints or --dns-name")
         self.endpoints = [e.rstrip("/") for e in endpoints or []]
-        self.dns_name, self.port, self.scheme = dns_name, port, scheme
+        for url in self.endpoints:
+            where = urllib.parse.urlsplit(url)
+            if where.scheme != "http" or not where.hostname or where.path:
+                raise ValueError(f"an endpoint is a pod's base URL, http://host:port (the router speaks plain "
+                                 f"HTTP to pods): {url!r}")
+        self.dns_name, self.port = dns_name, port
 
     async def urls(self) -> list[str]:
         if self.endpoints:
             return self.endpoints
         infos = await asyncio.get_running_loop().getaddrinfo(self.dns_name, self.port, type=socket.SOCK_STREAM)
         hosts = sorted({str(info[4][0]) for info in infos})
-        return [f"{self.scheme}://[{h}]:{self.port}" if ":" in h else f"{self.scheme}://{h}:{self.port}"
+        return [f"http://[{h}]:{self.port}" if ":" in h else f"http://{h}:{self.port}"
                 for h in hosts]
 
 

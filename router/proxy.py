@@ -1,11 +1,13 @@
 """The router's request handler: picks a pod for each request and relays it, streaming as it arrives.
 
 It is an aiohttp low-level handler (router/serve.py runs the server): aiohttp's C HTTP parser reads the
-request, the handler sees the raw body, the path and the headers, and nothing else sits on the path a
-relayed chunk takes (one read from the pod, one write to the client). `/v1/completions` and
-`/v1/chat/completions` are routed by the policy on their prompt; the other API routes (`/v1/models`,
-`/tokenize`, ...) go to the least loaded pod. The router answers `/health` (it runs), `/ready` (some pod
-is routable) and `/metrics` (its own) itself.
+request, the handler sees the raw body, the path and the headers. The pod's side is the router's own
+(router/upstream.py): the request goes out in one write on a pooled connection, the response head comes
+back to the handler, which starts the client's response through aiohttp, and from then on each piece of
+the body goes from the pod's socket callback straight to the client's socket, framed as aiohttp announced.
+`/v1/completions` and `/v1/chat/completions` are routed by the policy on their prompt; the other API
+routes (`/v1/models`, `/tokenize`, ...) go to the least loaded pod. The router answers `/health` (it
+runs), `/ready` (some pod is routable) and `/metrics` (its own) itself.
 
 Failures: a pod that refuses the connection is marked down and the request goes to another pod; so does
 one that drops the connection before its response head, or answers 503 `draining` (nothing was started
@@ -19,25 +21,29 @@ there.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 
-import aiohttp
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.pods import PodSet
 from iterserve.router.policy import LeastLoad, estimated_tokens
 from iterserve.router.prefix_key import routing_key
+from iterserve.router.upstream import Connection, Head, Pool, UpstreamError
 
 logger = logging.getLogger("iterserve.router")
 KEYED_ROUTES = ("/v1/completions", "/v1/chat/completions")
 OTHER_ROUTES = ("/tokenize", "/detokenize", "/version")
 # hop-by-hop headers (RFC 9110 7.6.1) and those the next hop sets itself
+# (expect: the router sends the body with the head, so a pod's 100 Continue would only be in the way)
 _DROP_REQUEST = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
-                 b"upgrade", b"host", b"content-length"}
-_DROP_RESPONSE = {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server"}
+                 b"upgrade", b"host", b"content-length", b"expect"}
+# the body is framed again for the client, as aiohttp announces it (content-length or chunked)
+_DROP_RESPONSE = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
+_HIGH_WATER, _LOW_WATER = 1 << 20, 1 << 18  # bytes queued for a slow client: stop reading the pod, and resume
 _JSON = "application/json"
 
 
@@ -54,29 +60,6 @@ def _error(status: int, message: str, code: str) -> web.Response:
     kind = "service_unavailable" if status == 503 else "invalid_request_error"
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
     return web.Response(status=status, text=body, content_type=_JSON)
-
-
-class _Try:
-    """What aiohttp's trace signals tell about one request to a pod: when it was on the wire, and whether
-    it took an idle pooled connection or opened one."""
-
-    __slots__ = ("sent_at", "reused", "opened")
-
-    def __init__(self) -> None:
-        self.sent_at: float | None = None
-        self.reused = self.opened = False
-
-
-async def _sent(session, ctx, params) -> None:
-    ctx.trace_request_ctx.sent_at = time.perf_counter()  # the request's head (and small body) is on the wire
-
-
-async def _reused(session, ctx, params) -> None:
-    ctx.trace_request_ctx.reused = True
-
-
-async def _opened(session, ctx, params) -> None:
-    ctx.trace_request_ctx.opened = True
 
 
 def _draining(body: bytes) -> bool:
@@ -96,30 +79,21 @@ class Router:
         self.prefix_chars, self.max_request_bytes, self.max_retries = prefix_chars, max_request_bytes, max_retries
         self.any_pod = LeastLoad()
         self.metrics = RouterMetrics(pods)
-        # no read timeout: a long generation streams for minutes; the body passes through as the pod sent it
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
-        self.session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        """In the running loop (aiohttp binds the session to it): the pods' first scrape, then the session."""
-        await self.pods.start()
-        trace = aiohttp.TraceConfig()
-        trace.on_request_headers_sent.append(_sent)
-        trace.on_connection_reuseconn.append(_reused)
-        trace.on_connection_create_end.append(_opened)
         # idle connections to the pods are kept `idle_timeout` s, across the gaps of ordinary traffic: a burst
         # after a lull then finds them open instead of paying a connect each. The pods keep theirs longer
         # (`iterserve serve --keep-alive-timeout`, 75 s), so the router, not the pod, closes an idle one;
-        # a pod that closes one as it is reused anyway (another server, a shorter setting) costs a retry
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.idle_timeout), timeout=self._timeout,
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),
-            trace_configs=[trace])
+        # a pod that closes one as it is reused anyway (another server, a shorter setting) costs a retry.
+        # No read timeout: a long generation streams for minutes.
+        self.pool = Pool(idle_timeout, connect_timeout)
+
+    async def start(self) -> None:
+        """In the running loop: the pods' first scrape, then the pool's sweeper."""
+        await self.pods.start()
+        self.pool.start()
 
     async def stop(self) -> None:
         await self.pods.stop()
-        if self.session is not None:
-            await self.session.close()
+        await self.pool.close()
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
@@ -153,14 +127,16 @@ class Router:
             self.metrics.requests.labels("none", "413").inc()
             return _error(413, f"the request body exceeds {self.max_request_bytes} bytes", "request_too_large")
         key = routing_key(body, self.prefix_chars) if keyed else None
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers
-                   if k.lower() not in _DROP_REQUEST]
+        # the request as it goes to a pod, but for its host line: one write with the body
+        head = b"%s %s HTTP/1.1\r\n" % (request.method.encode(), request.raw_path.encode("utf-8", "surrogateescape"))
+        headers = b"".join(b"%s: %s\r\n" % (k, v) for k, v in request.raw_headers if k.lower() not in _DROP_REQUEST)
+        headers += b"content-length: %d\r\n\r\n" % len(body)
         try:
-            return await self._route(request, headers, body, key, arrived)
+            return await self._route(request, head, headers, body, key, arrived)
         except _Cut as cut:
             return cut.answer
 
-    async def _route(self, request, headers, body, key, arrived) -> web.StreamResponse:
+    async def _route(self, request, head, headers, body, key, arrived) -> web.StreamResponse:
         tried: set[str] = set()
         # prefix-hash without a key (nothing to hash) takes the least loaded pod; the others pick as always
         policy = self.any_pod if self.keyed and key is None else self.policy
@@ -178,7 +154,8 @@ class Router:
             pod.load.in_flight += 1
             pod.load.unscraped[id(request)] = estimated_tokens(len(body))  # until a scrape counts it, or it ends
             try:
-                answer = await self._attempt(pod, request, headers, body, arrived)
+                data = b"%shost: %s:%d\r\n%s%s" % (head, pod.host.encode(), pod.port, headers, body)
+                answer = await self._attempt(pod, request, data, arrived)
             finally:
                 pod.load.in_flight -= 1
                 if pod.load.unscraped.pop(id(request), None) is None:
@@ -186,96 +163,127 @@ class Router:
             if answer is not None:
                 return answer
 
-    async def _attempt(self, pod, request, headers, body, arrived) -> web.StreamResponse | None:
+    async def _attempt(self, pod, request, data: bytes, arrived: float) -> web.StreamResponse | None:
         """One try on `pod`: None when nothing reached the client and another pod may take the request."""
-        assert self.session is not None, "requests arrive only between start() and stop()"
         for _ in range(self.max_retries + 1):
-            attempt = _Try()
             try:
-                response = await self.session.request(request.method, pod.url + request.raw_path, headers=headers,
-                                                      data=body, allow_redirects=False, trace_request_ctx=attempt)
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                conn, opened = await self.pool.acquire(pod.host, pod.port)
+            except (OSError, asyncio.TimeoutError) as e:
                 self.metrics.upstream_failures.labels(pod.url, "connect").inc()
                 self.pods.mark_down(pod, f"connect: {type(e).__name__}")
                 return None
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                if not attempt.reused:
+            if opened:
+                self.metrics.connections.labels(pod.url).inc()
+            try:
+                conn.send(data, request.method)
+                self.metrics.to_upstream.observe(time.perf_counter() - arrived)
+                head = await conn.head()
+            except UpstreamError as e:
+                if opened:
                     self._dropped(pod, e)
                     return None
                 # a pooled connection the pod closed while idle, as the request went out (the race every
                 # proxy with kept-alive upstreams has): the pod read nothing; again on the same pod, whose
-                # load the policy chose it for, on another connection (aiohttp retries only idempotent methods)
+                # load the policy chose it for, on another connection
                 self.metrics.upstream_failures.labels(pod.url, "stale_connection").inc()
                 continue
-            except aiohttp.ClientError as e:
-                self._dropped(pod, e)
-                return None
-            finally:
-                if attempt.opened:
-                    self.metrics.connections.labels(pod.url).inc()
-            return await self._answer(response, attempt, pod, request, arrived)
+            except BaseException:  # the client left (its handler is cancelled): the pod aborts the request
+                conn.close()
+                raise
+            return await self._answer(conn, head, pod, request, arrived)
         return None
 
-    def _dropped(self, pod, e: aiohttp.ClientError) -> None:
+    def _dropped(self, pod, e: UpstreamError) -> None:
         """It dropped the connection before answering: nothing was sent on, another pod may take it."""
-        self.metrics.upstream_failures.labels(pod.url, type(e).__name__).inc()
-        logger.warning("pod %s dropped a request before answering (%r); retrying elsewhere", pod.url, e)
+        self.metrics.upstream_failures.labels(pod.url, "dropped").inc()
+        logger.warning("pod %s dropped a request before answering (%s); retrying elsewhere", pod.url, e)
 
-    async def _answer(self, response: aiohttp.ClientResponse, attempt: _Try, pod, request, arrived: float
-                      ) -> web.StreamResponse | None:
+    async def _answer(self, conn: Connection, head: Head, pod, request, arrived: float) -> web.StreamResponse | None:
         """The pod's answer relayed, or None when it is draining (nothing was started there)."""
-        done = False
+        whole = False
         try:
-            if attempt.sent_at is not None:
-                self.metrics.to_upstream.observe(attempt.sent_at - arrived)
-            read = await response.read() if response.status == 503 else None  # one small JSON error
-            if read is not None and _draining(read):
-                self.metrics.upstream_failures.labels(pod.url, "draining").inc()
-                self.pods.mark_down(pod, "draining")
-                done = True
-                return None
-            answer = await self._relay(response, read, pod, request, arrived)
-            done = True
+            if head.status == 503:  # one small JSON error: is it a draining pod's?
+                try:
+                    await conn.done()
+                except UpstreamError as e:
+                    self._dropped(pod, e)
+                    return None
+                read = conn.take_early()
+                if _draining(read):
+                    self.metrics.upstream_failures.labels(pod.url, "draining").inc()
+                    self.pods.mark_down(pod, "draining")
+                    whole = True
+                    return None
+                answer = await self._relay(conn, head, pod, request, arrived, read)
+            else:
+                answer = await self._relay(conn, head, pod, request, arrived, conn.take_early())
+            whole = True
             return answer
         finally:
             # a response cut short (the client left, the pod failed) closes its connection, which the pod
             # reads as a disconnect and aborts the request; a whole one goes back to the pool
-            response.release() if done else response.close()
+            self.pool.release(pod.host, pod.port, conn) if whole else conn.close()
 
-    async def _relay(self, response: aiohttp.ClientResponse, read: bytes | None, pod, request, arrived: float
+    async def _relay(self, conn: Connection, head: Head, pod, request, arrived: float, first: bytes
                      ) -> web.StreamResponse:
-        head_at, content = time.perf_counter(), response.content
-        chunk = read if read is not None else content.read_nowait()  # what came with the pod's head
-        answer = web.StreamResponse(status=response.status, reason=response.reason, headers=[
-            (k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers
-            if k.lower() not in _DROP_RESPONSE])
-        # writes to a socket are most of the relay's cost: the head leaves with the first body bytes when
-        # both are here already (aiohttp's own Response buffers its head so), at once when not, so that a
+        """The head through aiohttp, then the body from the pod's socket callback to the client's socket."""
+        head_at = time.perf_counter()
+        answer = web.StreamResponse(status=head.status, reason=head.reason, headers=[
+            (k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers if k not in _DROP_RESPONSE])
+        chunked = head.length is None and request.version >= HttpVersion11
+        if head.length is not None:
+            answer.content_length = head.length
+        elif chunked:
+            answer.enable_chunked_encoding()
+        # (HTTP/1.0 client, no length: aiohttp sends the body as it comes and closes the connection after it)
+        # the head leaves with the first body bytes when both are here already, at once when not, so that a
         # client sees a queued request's head before its first token
-        answer._send_headers_immediately = not chunk
+        answer._send_headers_immediately = not first
         await answer.prepare(request)
+        if first:
+            await answer.write(first)  # aiohttp frames it
+            self.metrics.first_byte.observe(time.perf_counter() - arrived)
         self.metrics.to_client.observe(time.perf_counter() - head_at)
-        self.metrics.requests.labels(pod.url, str(response.status)).inc()
-        first = True
-        while True:
-            if not chunk:
-                try:
-                    chunk = await content.readany()  # all the pod has sent so far: no re-buffering
-                except aiohttp.ClientError as e:
-                    self.metrics.upstream_failures.labels(pod.url, "mid_response").inc()
-                    logger.warning("pod %s failed mid-response (%r): cutting the client's connection", pod.url, e)
-                    request.transport.close()  # before any terminating chunk: the client sees a cut stream
-                    raise _Cut(answer) from e
-                if not chunk:
-                    return answer
-            last = content.is_eof()  # the pod's whole response is read: its end goes in the same write
-            try:
-                await (answer.write_eof(chunk) if last else answer.write(chunk))
-            except ConnectionError as e:  # the client left; its handler is being cancelled too
-                raise _Cut(answer) from e
-            if first:
+        self.metrics.requests.labels(pod.url, str(head.status)).inc()
+        if conn.whole():
+            await answer.write_eof()
+            return answer
+        transport = request.transport
+        loop = asyncio.get_running_loop()
+        pending_first = not first
+
+        def resume_when_drained() -> None:
+            if conn.closed or transport.is_closing():
+                return
+            if transport.get_write_buffer_size() > _LOW_WATER:
+                loop.call_later(0.005, resume_when_drained)
+            else:
+                conn.resume()
+
+        def sink(piece: bytes) -> None:  # in the pod connection's data_received: no task wakes per chunk
+            nonlocal pending_first
+            if transport is None or transport.is_closing():
+                conn.close()  # the client left; its handler is being cancelled too
+                return
+            transport.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            if pending_first:
                 self.metrics.first_byte.observe(time.perf_counter() - arrived)
-                first = False
-            if last:
-                return answer
-            chunk = b""
+                pending_first = False
+            if transport.get_write_buffer_size() > _HIGH_WATER:  # a slow client: hold the pod's bytes back
+                conn.pause()
+                loop.call_later(0.005, resume_when_drained)
+
+        conn.relay(sink)
+        try:
+            await conn.done()
+        except UpstreamError as e:
+            self.metrics.upstream_failures.labels(pod.url, "mid_response").inc()
+            logger.warning("pod %s failed mid-response (%s): cutting the client's connection", pod.url, e)
+            if transport is not None:
+                transport.close()  # before any terminating chunk: the client sees a cut stream
+            raise _Cut(answer) from e
+        try:
+            await answer.write_eof()
+        except ConnectionError as e:  # the client left; its handler is being cancelled too
+            raise _Cut(answer) from e
+        return answer

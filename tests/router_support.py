@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import subprocess
 import sys
+import threading
 
 import httpx
 
@@ -80,3 +82,34 @@ def start_pods(n: int, *args: str) -> list[tuple[subprocess.Popen, str]]:
             stop(proc)
         raise errors[0]
     return started
+
+
+class ThreadedPod:
+    """A STAND-IN pod for tests that need a pod to send exact bytes: a raw asyncio server in a thread of the
+    test, on loopback. Subclasses answer each connection in `_handle(reader, writer)`."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(10), "the stand-in did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+        server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError

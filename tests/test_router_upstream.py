@@ -10,46 +10,26 @@ happen on every request after a connection's first. The router is the real `iter
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import httpx
 import pytest
 
 from benchmarks.router_overhead import next_request
-from tests.router_support import start_router, stop, wait_healthy
+from tests.router_support import ThreadedPod, start_router, stop, wait_healthy
 from tests.server_support import free_port, metric_value
 
 ANSWER = b'{"id": "cmpl-standin", "object": "text_completion", "choices": [{"index": 0, "text": " ok"}]}'
 
 
-class StandInPod:
+class StandInPod(ThreadedPod):
     """Answers /metrics always (as the benchmark's stand-in does), and a POST only when it is the first
     one on its connection (`drop_all`: never); a later POST is read and its connection closed (`reset`:
     aborted, an RST) without an answer."""
 
     def __init__(self, reset: bool = False, drop_all: bool = False) -> None:
+        super().__init__()
         self.reset, self.drop_all = reset, drop_all
-        self.port, self.posts, self.dropped = free_port(), 0, 0
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> StandInPod:
-        self._thread.start()
-        assert self._ready.wait(10), "the stand-in did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
-        self._ready.set()
-        self._loop.run_forever()
-        server.close()
+        self.posts, self.dropped = 0, 0
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         posts_here = 0
