@@ -216,7 +216,7 @@ class Router:
                     return None
                 answer = await self._relay(conn, head, pod, request, arrived, read)
             else:
-                answer = await self._relay(conn, head, pod, request, arrived, conn.take_early())
+                answer = await self._relay(conn, head, pod, request, arrived)
             whole = True
             return answer
         finally:
@@ -224,7 +224,7 @@ class Router:
             # reads as a disconnect and aborts the request; a whole one goes back to the pool
             self.pool.release(pod.host, pod.port, conn) if whole else conn.close()
 
-    async def _relay(self, conn: Connection, head: Head, pod, request, arrived: float, first: bytes
+    async def _relay(self, conn: Connection, head: Head, pod, request, arrived: float, first: bytes | None = None
                      ) -> web.StreamResponse:
         """The head through aiohttp, then the body from the pod's socket callback to the client's socket."""
         head_at = time.perf_counter()
@@ -236,17 +236,22 @@ class Router:
         elif chunked:
             answer.enable_chunked_encoding()
         # (HTTP/1.0 client, no length: aiohttp sends the body as it comes and closes the connection after it)
+        if first is None:
+            first = conn.take_early()
+        whole = conn.whole()  # (read with the take: what arrives while aiohttp writes goes through the relay)
         # the head leaves with the first body bytes when both are here already, at once when not, so that a
         # client sees a queued request's head before its first token
         answer._send_headers_immediately = not first
         await answer.prepare(request)
-        if first:
-            await answer.write(first)  # aiohttp frames it
-            self.metrics.first_byte.observe(time.perf_counter() - arrived)
-        self.metrics.to_client.observe(time.perf_counter() - head_at)
         self.metrics.requests.labels(pod.url, str(head.status)).inc()
-        if conn.whole():
-            await answer.write_eof()
+        if whole:  # a whole response (not streamed): head and body in one write, aiohttp framing it
+            await answer.write_eof(first)
+        elif first:
+            await answer.write(first)
+        self.metrics.to_client.observe(time.perf_counter() - head_at)
+        if first:
+            self.metrics.first_byte.observe(time.perf_counter() - arrived)
+        if whole:
             return answer
         transport = request.transport
         loop = asyncio.get_running_loop()

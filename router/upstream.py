@@ -127,7 +127,6 @@ class Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.requests = 0  # sent on this connection so far: > 1 means it came from the pool
         self.idle_since = time.monotonic()
         self.closed = False
         self._method = "GET"
@@ -170,7 +169,6 @@ class Connection(asyncio.Protocol):
     # the handler's side
     def send(self, data: bytes, method: str) -> None:
         loop = asyncio.get_running_loop()
-        self.requests += 1
         self.reusable = False
         self._method = method
         self._head, self._done = loop.create_future(), loop.create_future()
