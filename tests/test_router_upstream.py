@@ -142,3 +142,20 @@ def test_a_pod_leaves_routing_only_after_failure_threshold_slow_scrapes_in_a_row
     downs, healthy = asyncio.run(main())
     assert bool(downs) is taken_out, downs
     assert healthy, "a prompt scrape makes the pod routable again"
+
+
+@pytest.mark.parametrize("endpoint", ["https://pod:8000", "pod:8000", "http://pod:8000/v1", "http:///nohost"])
+def test_an_endpoint_that_is_not_a_pods_plain_http_base_url_is_refused(endpoint):
+    from iterserve.router.pods import Discovery
+
+    with pytest.raises(ValueError, match="http://host:port"):
+        Discovery([endpoint])
+
+
+def test_pod_addresses_come_from_their_urls():
+    from iterserve.router.pods import Discovery, Pod
+
+    assert Discovery(["http://10.0.0.5:8000/", "http://[fd00::1]:8000"]).endpoints == \
+        ["http://10.0.0.5:8000", "http://[fd00::1]:8000"]
+    assert [(p.host, p.port) for p in (Pod("http://10.0.0.5:8000"), Pod("http://[fd00::1]:9000"), Pod("http://a"))] \
+        == [("10.0.0.5", 8000), ("fd00::1", 9000), ("a", 80)]
