@@ -110,6 +110,9 @@ def test_least_load_weighs_the_prefill_ahead_above_a_request_count(pods, router)
     def running(pod: str) -> float:
         return metric_value(httpx.get(pod + "/metrics").text, "vllm:num_requests_running")
 
+    # ready before the queues are: the generations last a second or two on a busy machine, so the new prompt
+    # must go out the moment the router has scraped both queues, not after a client is built
+    client, before = _client(router), (routed(router, busy), routed(router, other))
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         held = [pool.submit(httpx.post, pod + "/v1/completions", json=generation, timeout=120) for pod in pods]
         wait_until(lambda: running(busy) == running(other) == 1, timeout=30, what="both generations running",
@@ -120,8 +123,7 @@ def test_least_load_weighs_the_prefill_ahead_above_a_request_count(pods, router)
         wait_until(lambda: router_gauge(router, "iterserve:router_pod_prefill_ahead_tokens", busy) >= 400
                    and router_gauge(router, "iterserve:router_pod_waiting", other) == 2, timeout=30,
                    what="the router to scrape both queues", interval=0.02)
-        before = routed(router, busy), routed(router, other)
-        assert _client(router).completions.create(model="m", prompt="short", max_tokens=2).choices
+        assert client.completions.create(model="m", prompt="short", max_tokens=2).choices
         assert all(f.result().status_code == 200 for f in held)
     assert (routed(router, busy), routed(router, other)) == (before[0], before[1] + 1)
 
