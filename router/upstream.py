@@ -23,11 +23,7 @@ _NO_BODY = {204, 304}
 
 
 class UpstreamError(Exception):
-    """The pod's connection failed. `answered`: some of the response had arrived."""
-
-    def __init__(self, message: str, answered: bool) -> None:
-        super().__init__(message)
-        self.answered = answered
+    """The pod's connection failed (before the response head or after: the handler knows which it awaited)."""
 
 
 class Head:
@@ -152,7 +148,7 @@ class Connection(asyncio.Protocol):
             else:
                 self._read_body(data)
         except ValueError as e:
-            self._fail(UpstreamError(f"the pod's response is not HTTP/1.1: {e}", self._body is not None))
+            self._fail(UpstreamError(f"the pod's response is not HTTP/1.1: {e}"))
 
     def eof_received(self) -> bool:
         return False  # the connection closes; connection_lost says what that means
@@ -163,8 +159,7 @@ class Connection(asyncio.Protocol):
                 and self._done is not None and not self._done.done():
             self._done.set_result(None)  # a body delimited by the close: whole now
             return
-        self._fail(UpstreamError(f"the pod closed the connection ({exc!r})" if exc else "the pod closed the connection",
-                                 self._body is not None))
+        self._fail(UpstreamError("the pod closed the connection" + (f" ({exc!r})" if exc else "")))
 
     # the handler's side
     def send(self, data: bytes, method: str) -> None:
