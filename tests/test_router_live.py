@@ -98,7 +98,7 @@ def test_least_load_avoids_a_pod_with_queued_work(pods, router):
 
 
 def test_least_load_weighs_the_prefill_ahead_above_a_request_count(pods, router):
-    """Pod 0 runs one long generation with a 400-token prompt queued behind it; pod 1 runs one with two
+    """Pod 0 runs long generations with a 400-token prompt queued behind them; pod 1 runs as many with two
     one-token prompts queued (sent straight to the pods: the router sees them only in its scrapes). Pod 1
     has more requests, pod 0 more work ahead of a new prompt's first token: the new prompt goes to pod 1."""
     busy, other = pods
@@ -107,22 +107,30 @@ def test_least_load_weighs_the_prefill_ahead_above_a_request_count(pods, router)
     def queued(prompt: list[int]) -> dict:
         return {"model": "m", "prompt": prompt, "max_tokens": 1}
 
-    def running(pod: str) -> float:
-        return metric_value(httpx.get(pod + "/metrics").text, "vllm:num_requests_running")
+    def on(pod: str, name: str) -> float:
+        return metric_value(httpx.get(pod + "/metrics").text, name)
 
-    # ready before the queues are: the generations last a second or two on a busy machine, so the new prompt
-    # must go out the moment the router has scraped both queues, not after a client is built
+    # three generations a pod, one after another: one alone may end (a second or less) before the router's
+    # next scrape, and the prompts queued behind it would then be prefilled unseen
     client, before = _client(router), (routed(router, busy), routed(router, other))
-    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
         held = [pool.submit(httpx.post, pod + "/v1/completions", json=generation, timeout=120) for pod in pods]
-        wait_until(lambda: running(busy) == running(other) == 1, timeout=30, what="both generations running",
-                   interval=0.02)
+        wait_until(lambda: all(on(p, "vllm:num_requests_running") == 1 for p in pods), timeout=30,
+                   what="both generations running", interval=0.02)
+        held += [pool.submit(httpx.post, pod + "/v1/completions", json=generation, timeout=120)
+                 for pod in pods for _ in range(2)]
+        wait_until(lambda: all(on(p, "vllm:num_requests_waiting") == 2 for p in pods), timeout=30,
+                   what="two generations queued on each pod", interval=0.02)
         held += [pool.submit(httpx.post, busy + "/v1/completions", json=queued([7] * 400), timeout=120)]
         held += [pool.submit(httpx.post, other + "/v1/completions", json=queued([9]), timeout=120)
                  for _ in range(2)]
-        wait_until(lambda: router_gauge(router, "iterserve:router_pod_prefill_ahead_tokens", busy) >= 400
-                   and router_gauge(router, "iterserve:router_pod_waiting", other) == 2, timeout=30,
-                   what="the router to scrape both queues", interval=0.02)
+
+        def premise() -> bool:  # as the router sees the pods: pod 1 more requests, pod 0 more prefill ahead
+            waiting = [router_gauge(router, "iterserve:router_pod_waiting", p) for p in pods]
+            return (router_gauge(router, "iterserve:router_pod_prefill_ahead_tokens", busy) >= 400
+                    and waiting[1] > waiting[0])
+
+        wait_until(premise, timeout=30, what="the router to scrape both queues", interval=0.02)
         assert client.completions.create(model="m", prompt="short", max_tokens=2).choices
         assert all(f.result().status_code == 200 for f in held)
     assert (routed(router, busy), routed(router, other)) == (before[0], before[1] + 1)
