@@ -3,11 +3,12 @@
 MKL's sgemm (what `F.linear` runs) is slow on this project's AMD CPUs, which it does not give its
 best code paths. oneDNN picks its kernels by the instruction sets the CPU has, and a weight reordered
 once into its blocked layout saves the reorder at every call (vLLM's CPU backend does the same with
-its `onednn_mm`). Measured with `python benchmarks/cpu_linear.py` (docs/benchmarks.md): on an AVX-512
-CPU (AMD Zen 5) oneDNN takes every linear of a SmolLM2-135M step 2-6x faster than MKL at every row
-count, 1 included, where the step streams all weights from memory; on an AVX2 CPU (Zen 3) MKL was the
-faster of the two below 4 rows. So the row count from which the packed weight serves is 1 with AVX-512
-and MIN_ROWS without; where it is 1 the unpacked copy is never read and its memory is given back.
+its `onednn_mm`). Measured with `python benchmarks/cpu_linear.py` (docs/benchmarks.md), a whole
+SmolLM2-135M step (every weight once, streamed from memory): on an AVX-512 CPU (AMD Zen 5) oneDNN is
+2-6x faster than MKL at every row count; on an AVX2 one (AMD Zen 3, torch 2.13) 1.3-1.4x at one row,
+2.3-3x at two and three, 1.2-2x from four up. So every fp32 call goes through the packed weight, and
+the unpacked copy of a projection is given back. (Cache-hot, one small projection at one row is
+faster under MKL on Zen 3; a model's step never is.)
 
 bf16 weights are packed too where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX): there oneDNN's
 bf16 kernels run about twice as fast as its fp32 ones at every row count from 16 up (64 x 576 x 1536:
@@ -21,10 +22,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-MIN_ROWS = 4  # without AVX-512: from 4 rows up oneDNN beats MKL; at 1 row MKL was ~1.4x faster (Zen 3)
 _PACK_BATCH_HINT = 64  # oneDNN chooses its blocked layout for this many rows; any row count works
 
 
@@ -47,32 +46,20 @@ def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
 
 
-def packed_min_rows(dtype: torch.dtype = torch.float32) -> int:
-    """Rows from which a PackedLinear uses oneDNN on this CPU (see the module docstring)."""
-    if dtype == torch.bfloat16:
-        return 1  # packed only where bf16 is native, and there oneDNN is the faster at one row too
-    return 1 if torch.backends.cpu.get_cpu_capability() == "AVX512" else MIN_ROWS
-
-
 class PackedLinear(nn.Module):
-    """y = x W^T + b through oneDNN's packed W from `min_rows` rows up, F.linear below that.
+    """y = x W^T + b through oneDNN's packed W.
 
-    `release_unpacked`: with min_rows 1 the unpacked weight is never read again, so its storage is
-    freed (the parameter stays, empty, under its name). Only for a weight nothing else shares.
+    `release_unpacked`: the unpacked weight is never read again, so its storage is freed (the parameter
+    stays, empty, under its name). Only for a weight nothing else shares (not a tied LM head).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, min_rows: int | None = None,
-                 release_unpacked: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, release_unpacked: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias  # shared with the module they came from, not copied
         self.out_features = weight.shape[0]
-        self.min_rows = packed_min_rows(weight.dtype) if min_rows is None else min_rows
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
-        self.released = release_unpacked and self.min_rows <= 1
-        if self.released:
+        if release_unpacked:
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.min_rows or self.released:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
