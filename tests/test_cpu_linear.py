@@ -62,6 +62,17 @@ def _tiny_config():
     })
 
 
+def test_a_model_built_off_the_meta_device_has_a_drawn_embedding():
+    # the embedding skips its random init on the meta device only; built for real (as these tests build
+    # it) an undrawn weight is whatever memory held, NaN included, which once failed the test below
+    from iterserve.server.model.llama import LlamaForCausalLM
+
+    weight = LlamaForCausalLM(_tiny_config(), attention_fn=None, max_positions=64).embed_tokens.weight
+    assert torch.isfinite(weight).all() and 0.5 < weight.std().item() < 2.0
+    with torch.device("meta"):
+        assert LlamaForCausalLM(_tiny_config(), attention_fn=None, max_positions=64).embed_tokens.weight.is_meta
+
+
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 

@@ -125,10 +125,12 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg, max_positions)
         # Gemma 3's sliding-window layers rotate with their own theta
         self.local_rope = RotaryEmbedding(cfg, max_positions, local=True) if cfg.local_rope_theta else None
-        # built on the meta device, then loaded: an explicit (empty) weight skips the random init, whose
-        # normal_ on meta imports torch._dynamo, ~2 s of a server's start-up
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # a server builds on the meta device, then loads: there an explicit weight skips the random init,
+        # whose normal_ on meta imports torch._dynamo (~2 s of start-up); a model built for real is drawn
+        embedding = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not embedding.is_meta:
+            nn.init.normal_(embedding)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(
             self.decoder_layer(cfg, i, self.layer_rope(i), attention_fn, layer_ops)
             for i in range(cfg.num_hidden_layers)
