@@ -13,7 +13,9 @@ faster under MKL on Zen 3; a model's step never is.)
 bf16 weights are packed too where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX): there oneDNN's
 bf16 kernels run about twice as fast as its fp32 ones at every row count from 16 up (64 x 576 x 1536:
 ~900 against ~470 GFLOP/s on Zen 5), and still faster at one row, so bf16 is what "auto" picks on
-such a CPU (server/engine/engine_factory.py). Without native bf16, oneDNN emulates it, several times
+such a CPU (server/engine/engine_factory.py). Where the CPU has AVX512-BF16 but no AMX, bf16 weights go
+to the C++ kernel of kernels/cpu_bf16_linear.py instead: oneDNN's bf16 reads the weights at half the
+memory's bandwidth at a decode step's few rows. Without native bf16, oneDNN emulates it, several times
 slower than fp32. CUDA takes other paths.
 """
 
@@ -23,6 +25,8 @@ import functools
 
 import torch
 from torch import nn
+
+from iterserve.kernels import cpu_bf16_linear
 
 _PACK_BATCH_HINT = 64  # oneDNN chooses its blocked layout for this many rows; any row count works
 
@@ -57,9 +61,18 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias  # shared with the module they came from, not copied
         self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        # bf16 on an AVX512-BF16 CPU: the C++ kernel's own layout (kernels/cpu_bf16_linear.py), which reads
+        # the weights at the memory's bandwidth at a decode step's few rows, where oneDNN reads at half
+        self.in_kernel = cpu_bf16_linear.packs(weight) and cpu_bf16_linear.available()
+        if self.in_kernel:
+            self.packed = cpu_bf16_linear.pack(weight)
+            self.kernel_bias = None if bias is None else bias.detach().float().contiguous()
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
         if release_unpacked:
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_kernel:
+            return cpu_bf16_linear.linear(x, self.packed, self.out_features, self.kernel_bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
