@@ -105,6 +105,24 @@ def test_kernel_bf16_matches_per_request_reference(kernel, block_size, group, he
     _assert_bf16_close(out, q, k_cache, v_cache, tables, ctx, block_size, scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_write_kv_takes_k_and_v_where_they_lie_in_the_qkv_output(kernel, dtype, n):
+    # the model hands over column slices of its qkv projection's output, rows 15 heads apart: they are
+    # copied from there, so each cache row must be its own token's heads, not a neighbour's
+    gen = torch.Generator().manual_seed(n)
+    qkv = torch.randn(n, 15 * 64, generator=gen).to(dtype)
+    k, v = qkv[:, 9 * 64: 12 * 64].view(n, 3, 64), qkv[:, 12 * 64:].view(n, 3, 64)
+    assert n == 1 or not (k.is_contiguous() or v.is_contiguous())  # one row is contiguous as it lies
+    k_cache, v_cache = torch.zeros(512, 3, 64, dtype=dtype), torch.zeros(512, 3, 64, dtype=dtype)
+    slots = torch.randperm(512, generator=gen)[:n]
+    cpu_paged_attention.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+    transposed = torch.randn(3, n, 64, generator=gen).to(dtype).transpose(0, 1)  # heads not contiguous: copied
+    cpu_paged_attention.write_kv(transposed, transposed, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[slots], transposed)
+
+
 @pytest.mark.parametrize("threads", [1, 2])  # whole requests per item, or one KV head per item
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 300])
 def test_kernel_bf16_single_request(kernel, n, threads):

@@ -233,7 +233,13 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   TORCH_CHECK(k_in.sizes() == v_in.sizes() && k_in.dim() == 3 && k_in.size(1) == k_cache.size(1) &&
                   k_in.size(2) == k_cache.size(2),
               "write_kv: k and v must be [n, num_kv_heads, head_dim] like the caches' rows");
-  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  // k and v are column slices of the qkv projection's output: each row's heads lie contiguous, the rows
+  // a qkv row apart. Rows are copied from where they lie, with no contiguous copy first (two torch copies
+  // a layer, each a dispatch and a thread fork, cost more than this whole write at decode).
+  const auto rows_in_place = [](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  const at::Tensor k = rows_in_place(k_in), v = rows_in_place(v_in);
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
   const int64_t n = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.size(0);
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == n, "write_kv: slots must be [n]");
@@ -243,14 +249,15 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   }
   // a copy of bytes: the dtype only sets a row's size
   const int64_t row_bytes = row * k.element_size();
+  const int64_t k_pitch = k.stride(0) * k.element_size(), v_pitch = v.stride(0) * v.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   at::parallel_for(0, n, std::max<int64_t>(1, kMinWorkPerTask / (2 * row)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(kc + sp[i] * row_bytes, kp + i * row_bytes, row_bytes);
-      std::memcpy(vc + sp[i] * row_bytes, vp + i * row_bytes, row_bytes);
+      std::memcpy(kc + sp[i] * row_bytes, kp + i * k_pitch, row_bytes);
+      std::memcpy(vc + sp[i] * row_bytes, vp + i * v_pitch, row_bytes);
     }
   });
 }
