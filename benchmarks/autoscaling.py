@@ -3,7 +3,7 @@ operator's `decide` and `decide_scale`), and an HPA-style controller on queue de
 a grid, side by side in one run.
 
     python benchmarks/autoscaling.py [--fleets 2,4,8,16,32] [--seeds 3] [--thresholds 0.5,1,2,4,8,16]
-                                     [--routings round-robin,least-load] [--max-replicas 2]
+                                     [--routings round-robin,least-load] [--max-replicas 2] [--min-replicas 1]
                                      [--out benchmarks/results/autoscaling.json]   # a few minutes here
 
 The fleet (benchmarks/fleet_sim.py): pods of the latency model the tuning tests use
@@ -21,8 +21,8 @@ knobs, so the peak needs F pods at any setting; a stepped Poisson-like rate of 0
 pods' worth (20, 40, 40, 30 ticks), starting from knobs far from tuned (max_num_seqs 4).
 - knobs only: the tuner in auto mode on a fixed fleet sized for the first phase (what the product did
   before spec.autoscaling: BoundsReached at the peak);
-- knobs + replicas: the tuner and the autoscaler, minReplicas 1, maxReplicas 2F (`--max-replicas K`: KF,
-  the HPA's too), default windows;
+- knobs + replicas: the tuner and the autoscaler, minReplicas 1 (`--min-replicas N`, the HPA's too),
+  maxReplicas 2F (`--max-replicas K`: KF, the HPA's too), default windows;
 - HPA: desired = ceil(pods x mean waiting per pod / threshold) with the HPA's 10% tolerance, its default
   scale-up limit, and the shipped example's scale-down (300 s stabilization, one pod a minute), on the
   tuner's knobs (the tuner in auto mode beside it, as a user of both would run them); best threshold:
@@ -39,6 +39,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -114,6 +115,9 @@ class Hpa:
         return current - 1
 
 
+ScaleFn = Callable[[ScaleState, Fleet, ScalePolicy, float], ScaleDecision]
+
+
 class Probe(Protocol):
     """Looks into a run tick by tick (benchmarks/autoscaling_whatif.py: traces and counterfactuals)."""
 
@@ -125,16 +129,18 @@ class Probe(Protocol):
 
 def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float = 60.0,
              routing: str = "round-robin", fleet_p99: str = "merged", max_replicas: int | None = None,
-             probe: Probe | None = None) -> Run:
-    """One run; `max_replicas` (default 2F) bounds the autoscaler and the HPA alike."""
+             probe: Probe | None = None, min_replicas: int = 1, scaler: ScaleFn = decide_scale) -> Run:
+    """One run; `min_replicas` and `max_replicas` (default 1 and 2F) bound the autoscaler and the HPA alike;
+    `scaler` is the autoscaler's decision (the product's, or a variant benchmarks/autoscaling_whatif.py tries)."""
     rates = load(fleet)
-    first = max(1, math.ceil(rates[0][0] / (CAPACITY * 0.9)))
+    first = max(min_replicas, math.ceil(rates[0][0] / (CAPACITY * 0.9)))  # spec.replicas, clamped into the range
     sim, run = FleetSim(first, seed, start_s, routing, fleet_p99), Run()
     tuner = TunerState(START)
-    scaler = ScaleState()
+    scaler_state = ScaleState()
     hi = 2 * fleet if max_replicas is None else max_replicas
-    scale_policy = ScalePolicy(min_replicas=1, max_replicas=hi, settle_s=TICK_S, headroom_line=POLICY.headroom_line)
-    hpa = Hpa(threshold, 1, hi)
+    scale_policy = ScalePolicy(min_replicas=min_replicas, max_replicas=hi, settle_s=TICK_S,
+                               headroom_line=POLICY.headroom_line)
+    hpa = Hpa(threshold, min_replicas, hi)
     t = 0.0
     for tick, (rate, settled) in enumerate(rates):
         if probe is not None:
@@ -154,8 +160,8 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
             view = Fleet(replicas=replicas, ready=sim.ready(t), obs=obs,
                          reading=r if obs.num_samples >= POLICY.min_samples else None, verdict=d.tuned,
                          tuner_action=d.action, batch_cap=tuner.knobs.max_num_seqs, knobs=tuner.knobs)
-            s = decide_scale(scaler, view, scale_policy, t)
-            scaler = s.state
+            s = scaler(scaler_state, view, scale_policy, t)
+            scaler_state = s.state
         if probe is not None:
             probe.after(tick, sim, obs, run.within[-1], d, s)
         if s is not None:
@@ -178,14 +184,15 @@ def best_hpa(by_threshold: dict[float, dict]) -> tuple[float, dict]:
 
 
 def compare(fleet: int, routing: str, seeds: range, thresholds: list[float], start_s: float,
-            fleet_p99: str = "merged", max_factor: int = 2) -> dict:
+            fleet_p99: str = "merged", max_factor: int = 2, lo: int = 1) -> dict:
     """One fleet size behind one routing: the three controllers, the HPA at each threshold."""
     row: dict = {"fleet": fleet, "routing": routing}
     hi = max_factor * fleet
     for name in ("knobs", "replicas"):
-        row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99, hi) for s in seeds])
-    row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99, hi)
-                                           for s in seeds]) for th in thresholds}
+        row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99, hi, min_replicas=lo)
+                                    for s in seeds])
+    row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99, hi,
+                                                    min_replicas=lo) for s in seeds]) for th in thresholds}
     th, best = best_hpa({float(k): v for k, v in row["hpa"].items()})
     row["best_hpa_threshold"] = th
     ours = row["replicas"]
@@ -217,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start-s", type=float, default=60.0, help="seconds a new pod takes to be ready")
     ap.add_argument("--max-replicas", type=int, default=2, metavar="K",
                     help="maxReplicas as K times the fleet size F, for the autoscaler and the HPA alike")
+    ap.add_argument("--min-replicas", type=int, default=1, metavar="N",
+                    help="minReplicas for the autoscaler and the HPA alike (and the fleet's least at the start)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     fleets = [int(x) for x in args.fleets.split(",")]
@@ -230,7 +239,7 @@ def main(argv=None) -> int:
     for fleet in fleets:
         for routing in routings:
             results.append(compare(fleet, routing, range(args.seeds), thresholds, args.start_s, args.fleet_p99,
-                                   args.max_replicas))
+                                   args.max_replicas, args.min_replicas))
             print_row(results[-1])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,9 @@ Cases (knobs + replicas unless named; medians over seeds):
   controller that reads windows can: the first one showing the peak ends a window into it);
 - `pre-provisioned`: maxReplicas ready when the peak begins (asked a pod start before it), which only a
   fleet already scaled out for another reason has;
-- `pods ready in half the time`, `maxReplicas 2F+1`, `3F`, `4F`: the cluster or the user's range;
+- `pods ready in half the time`, `maxReplicas 2F+1`, `3F`, `4F`, `minReplicas 2`: the cluster or the
+  user's range;
+- `pod more on waiting queue`: the autoscaler with a rule tried and not adopted (`out_on_waiting`);
 - `least-load`: behind spec.router instead of the routing given.
 The trace prints, per tick: the load and the completions (requests/s), the replicas asked for and
 ready, each pod's backlog (requests queued beyond its steady state: where round-robin leaves a step's
@@ -31,9 +33,19 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.autoscaling import PHASES, TICK_S, Run, load, simulate  # noqa: E402
 from benchmarks.fleet_sim import ROUTINGS, FleetSim  # noqa: E402
+from iterserve.operator.tuning.actions import HOLD  # noqa: E402
 from iterserve.operator.tuning.decision import Decision  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
-from iterserve.operator.tuning.scale import ScaleDecision  # noqa: E402
+from iterserve.operator.tuning.scale import (  # noqa: E402
+    SCALE_OUT,
+    SCALE_RULES,
+    Fleet,
+    ScaleDecision,
+    ScalePolicy,
+    ScaleState,
+    Tick,
+    decide_scale,
+)
 
 PEAK_TICK = PHASES[0][1]  # the first tick of the peak
 
@@ -81,6 +93,23 @@ class Trace:
               f"{k.max_num_seqs:>3},{k.prefill_chunk_size:<4} | {tuner.tuned.reason:<14} | {why}")
 
 
+def out_on_waiting(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: float) -> ScaleDecision:
+    """The product's decision with one rule more, tried and not adopted (docs/benchmarks-operator.md, "F = 2
+    behind round-robin"): where it would hold or scale in, a fleet that meets its SLO while requests wait
+    for a batch slot (half a request per pod or more on average: what the headroom test counts as not
+    next to nothing) and the tuner holds its knobs gets one pod more, and the per-pod rate is learned as
+    what a pod carries (so that scale-in does not hand the pod straight back)."""
+    d = decide_scale(state, fleet, policy, now)
+    t = Tick(state, fleet, policy, now)
+    obs, r = fleet.obs, fleet.reading
+    if (obs is None or r is None or not r.met or r.trouble is not None or fleet.tuner_action != HOLD
+            or obs.queued < 0.5 * max(obs.num_pods, 1) or fleet.replicas >= policy.max_replicas
+            or next(rule for rule in SCALE_RULES if rule(t) is not None).__name__ not in ("scale_in", "hold")):
+        return d
+    return t.scale(SCALE_OUT, fleet.replicas + 1, f"SLO met, but {obs.queued:.1f} requests wait for a batch slot "
+                   f"and the tuner holds its knobs", capacity=t.per_pod_rate or None)
+
+
 def cases(fleet: int, routing: str, start_s: float) -> dict[str, dict]:
     """Each case's keyword arguments to `simulate` (`asks`: an `Asks` probe)."""
     hi = 2 * fleet
@@ -93,8 +122,11 @@ def cases(fleet: int, routing: str, start_s: float) -> dict[str, dict]:
         "maxReplicas 2F+1": {"max_replicas": hi + 1},
         "maxReplicas 3F": {"max_replicas": 3 * fleet},
         "maxReplicas 4F": {"max_replicas": 4 * fleet},
+        "minReplicas 2": {"min_replicas": 2},
+        "pod more on waiting queue": {"scaler": out_on_waiting},
         "least-load": {"routing": "least-load"},
-    } if routing != "least-load" else {"as is": {}, "foresight": {"asks": Asks(PEAK_TICK, hi)}}
+    } if routing != "least-load" else {"as is": {}, "foresight": {"asks": Asks(PEAK_TICK, hi)},
+                                       "pod more on waiting queue": {"scaler": out_on_waiting}}
 
 
 def run_case(fleet: int, seed: int, routing: str, start_s: float, kw: dict, trace: Trace | None = None) -> Run:

@@ -43,10 +43,42 @@ def test_the_comparison_runs_and_writes_its_json(tmp_path, capsys):
         main(["--routings", "random"])
 
 
-
 def test_max_replicas_bounds_the_autoscaler_and_the_hpa_alike(tmp_path):
     out = tmp_path / "autoscaling.json"
     assert main(["--fleets", "2", "--seeds", "1", "--thresholds", "0.5", "--routings", "round-robin",
                  "--max-replicas", "1", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["results"][0]
     assert row["replicas"]["peak_replicas"] == 2 and row["hpa"]["0.5"]["peak_replicas"] == 2  # 1 x F, reached
+
+
+def test_min_replicas_bounds_the_autoscaler_and_the_hpa_alike_from_the_start(tmp_path):
+    out = tmp_path / "autoscaling.json"
+    assert main(["--fleets", "2", "--seeds", "1", "--thresholds", "16", "--routings", "round-robin",
+                 "--min-replicas", "2", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    # 130 ticks of 30 s at 2 pods at least: the fleet starts at minReplicas (spec.replicas is clamped into it)
+    assert row["knobs"]["replica_s"] == 2 * 130 * 30
+    assert row["replicas"]["replica_s"] >= 2 * 130 * 30 and row["hpa"]["16.0"]["replica_s"] >= 2 * 130 * 30
+
+
+def test_the_whatif_waiting_rule_adds_one_pod_only_where_the_product_would_hold():
+    from benchmarks.autoscaling_whatif import out_on_waiting
+    from iterserve.operator.tuning.actions import HOLD, RAISE_SEQS
+    from iterserve.operator.tuning.decision import Condition
+    from iterserve.operator.tuning.policy import TuningPolicy
+    from iterserve.operator.tuning.reading import read
+    from iterserve.operator.tuning.scale import SCALE_OUT, STAY, Fleet, ScalePolicy, ScaleState
+
+    tuning, policy = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, min_samples=20), ScalePolicy(1, 4)
+    met = Condition("True", "SLOMet", "met")
+
+    def view(waiting: float, pods: int = 1, action: str = HOLD) -> Fleet:
+        obs = queue(waiting, pods)
+        return Fleet(replicas=pods, ready=pods, obs=obs, reading=read(obs, tuning), verdict=met, tuner_action=action,
+                     batch_cap=12)
+
+    d = out_on_waiting(ScaleState(), view(3.0), policy, 30.0)
+    assert (d.action, d.replicas, d.state.capacity) == (SCALE_OUT, 2, 10.0)  # the per-pod rate, learned
+    assert out_on_waiting(ScaleState(), view(0.4), policy, 30.0).action == STAY  # under half a request per pod
+    assert out_on_waiting(ScaleState(), view(3.0, action=RAISE_SEQS), policy, 30.0).action == STAY  # knobs first
+    assert out_on_waiting(ScaleState(), view(12.0, pods=4), policy, 30.0).action == STAY  # at maxReplicas
