@@ -17,24 +17,13 @@ comparison and a kill switch). It is read when a model's weights are packed, not
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from iterserve.kernels.cpu_extension import CppExtension
+from iterserve.kernels.cpu_extension import CppExtension, cpu_flags
 
 ENV_VAR = "ITERSERVE_CPU_BF16_LINEAR"
 
 _extension = CppExtension("iterserve_cpu_bf16_linear", "bf16_linear.cpp", ENV_VAR, "C++ CPU bf16 linear")
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
-    except OSError:
-        return frozenset()
 
 
 def available() -> bool:
@@ -42,7 +31,7 @@ def available() -> bool:
 
     The first call builds (or loads the cached build), which takes a while; later calls are cheap.
     """
-    if "amx_bf16" in _cpu_flags() or "avx512_bf16" not in _cpu_flags():
+    if "amx_bf16" in cpu_flags() or "avx512_bf16" not in cpu_flags():
         return False
     return _extension.available() and bool(_extension.loaded().supported())
 

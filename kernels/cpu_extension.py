@@ -20,6 +20,7 @@ torch path, saying so).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -54,19 +55,21 @@ def march_flags(march: str) -> list[str]:
     return [f"-march={base}", *extra]
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags, as /proc/cpuinfo names them (none where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
+            return frozenset(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def supported_marches() -> list[str]:
     """The -march levels this CPU runs, best first (none off x86-64)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return [march for march, needs in MARCH_LEVELS if needs <= flags]
 
 

@@ -47,7 +47,7 @@ if cpu_layer_ops.available():
     (V4_FLAGS, "aarch64", []),
 ])
 def test_march_levels_are_those_the_cpu_runs_best_first(monkeypatch, flags, machine, expected):
-    monkeypatch.setattr(cpu_extension, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_extension.platform, "machine", lambda: machine)
     assert supported_marches() == expected
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from iterserve.kernels import cpu_bf16_linear
+from iterserve.kernels.cpu_extension import cpu_flags
 
 _PACK_BATCH_HINT = 64  # oneDNN chooses its blocked layout for this many rows; any row count works
 
@@ -34,12 +35,7 @@ _PACK_BATCH_HINT = 64  # oneDNN chooses its blocked layout for this many rows; a
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX-BF16) and oneDNN uses it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"}) and torch.backends.mkldnn.is_available() \
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) and torch.backends.mkldnn.is_available() \
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
