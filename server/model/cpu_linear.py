@@ -15,8 +15,8 @@ bf16 kernels run about twice as fast as its fp32 ones at every row count from 16
 on 2-core Zen 5 VMs: ~900 against ~470 GFLOP/s on one, 280-360 against 170-180 on another), and still
 faster at one row, so bf16 is what "auto" picks on such a CPU (server/engine/engine_factory.py).
 Where the CPU has AVX512-BF16 but no AMX, bf16 weights go to the C++ kernel of kernels/cpu_bf16_linear.py
-instead: oneDNN's bf16 reads the weights at half the memory's bandwidth at a decode step's few rows. Without native bf16, oneDNN emulates it, several times
-slower than fp32. CUDA takes other paths.
+instead: oneDNN's bf16 reads the weights at half the memory's bandwidth at a decode step's few rows.
+Without native bf16, oneDNN emulates it, several times slower than fp32. CUDA takes other paths.
 """
 
 from __future__ import annotations
