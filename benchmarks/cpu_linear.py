@@ -49,10 +49,6 @@ def ways(dtype: torch.dtype) -> dict:
     return found
 
 
-def call(way, x: torch.Tensor, prepared: Prepared):
-    return way[1](x, prepared)
-
-
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -71,11 +67,11 @@ def per_layer(m: int, runs: int, dtype: torch.dtype) -> None:
         prepared = {label: Prepared(way[0], w) for label, way in ways(dtype).items()}
         reference = F.linear(x.float(), w.float())
         for label, way in ways(dtype).items():
-            torch.testing.assert_close(call(way, x, prepared[label]).float(), reference, atol=0.1, rtol=2e-2)
+            torch.testing.assert_close(way[1](x, prepared[label]).float(), reference, atol=0.1, rtol=2e-2)
         times: dict = {label: [] for label in prepared}
         for _ in range(runs):
             for label, way in ways(dtype).items():
-                times[label].append(timed(lambda: call(way, x, prepared[label])))
+                times[label].append(timed(lambda: way[1](x, prepared[label])))
         row(m, name, times, 3)
 
 
@@ -85,7 +81,7 @@ def per_step(m: int, runs: int, dtype: torch.dtype, weights: list) -> None:
     def step(label, way):
         for layer in weights:
             for name, prepared in layer.items():
-                call(way, inputs[name], prepared[label])
+                way[1](inputs[name], prepared[label])
 
     times: dict = {label: [] for label in ways(dtype)}
     for _ in range(runs):
