@@ -1,5 +1,5 @@
 // A Llama layer's elementwise ops on the CPU, each one pass over its rows: residual add + RMSNorm, SwiGLU,
-// and rotate-half rotary applied in place. Built and loaded by kernels/cpu_layer_ops.py, which says why
+// and rotate-half rotary applied in place; and the greedy sampler's row argmax (first_max). Built and loaded by kernels/cpu_layer_ops.py, which says why
 // they exist. float32 or bfloat16 tensors (bf16.h): fp32 arithmetic inside, each result rounded once on
 // store.
 //
@@ -137,6 +137,38 @@ void rotary_rows(torch::Tensor& qk, const int64_t* pp, const torch::Tensor& cos_
   });
 }
 
+// The index of x's first maximum, as torch's max(dim=-1).indices takes it: the first of equal maxima
+// (-0 equals +0), and a NaN above everything (its first one wins). One pass of vectorized max and NaN
+// reductions over chunks that fit in L1, then a scan of the winning chunk for the first index holding
+// its maximum: the index tracking does not vectorize, so it runs over one chunk, not the row.
+template <typename T>
+int64_t first_max_index(const T* x, int64_t n) {
+  constexpr int64_t kChunk = 2048;
+  float best = 0.f;
+  int64_t best_chunk = -1;
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t e = std::min(n, c + kChunk);
+    float m = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t i = c; i < e; ++i) {
+      const float v = load(x[i]);
+      m = v > m ? v : m;
+      nan |= v != v;
+    }
+    if (nan) {
+      for (int64_t i = c;; ++i)
+        if (load(x[i]) != load(x[i])) return i;
+    }
+    if (best_chunk < 0 || m > best) {
+      best = m;
+      best_chunk = c;
+    }
+  }
+  for (int64_t i = best_chunk;; ++i)
+    if (load(x[i]) == best) return i;
+}
+
 }  // namespace
 
 // residual := x + residual, out := rmsnorm(residual) * weight; without a residual, out := rmsnorm(x).
@@ -210,6 +242,25 @@ void rotary(torch::Tensor qk, const torch::Tensor& positions, const torch::Tenso
                       [&](auto t) { rotary_rows<decltype(t)>(qk, pp, cos_cache, sin_cache); });
 }
 
+// The index of each row's first maximum (NaN counted the largest), as torch's max(dim=-1).indices:
+// logits = [rows, vocab] in float32 or bfloat16 with contiguous columns. Returns int64 [rows].
+torch::Tensor first_max(const torch::Tensor& logits) {
+  check_rows(logits, "first_max logits");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n > 0, "first_max logits: empty rows");
+  torch::Tensor out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t rs = logits.stride(0);
+  iterserve::dispatch(logits.scalar_type(), "first_max logits", [&](auto t) {
+    using T = decltype(t);
+    const T* base = iterserve::data<const T>(logits);
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) op[i] = first_max_index(base + i * rs, n);
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, float32/bfloat16 CPU", py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
@@ -217,4 +268,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rotary", &rotary, "rotate-half rotary embedding in place, float32/bfloat16 CPU", py::arg("qk"),
         py::arg("positions"), py::arg("cos_cache"), py::arg("sin_cache"), py::call_guard<py::gil_scoped_release>());
+  m.def("first_max", &first_max, "index of each row's first maximum, float32/bfloat16 CPU", py::arg("logits"),
+        py::call_guard<py::gil_scoped_release>());
 }

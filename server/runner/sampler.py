@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from iterserve.kernels.cpu_layer_ops import first_max
 from iterserve.server.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def sample(logits: torch.Tensor, request_ids: list[str], params: list[SamplingPa
     """logits: [len(request_ids), vocab] float32, processed (logits_processors.py); `raw_logits`: the
     model's own, which logprobs report (default: `logits`). `generators` holds the seeded requests'
     generators (created here at their first random draw; the caller drops them when a request leaves)."""
-    token_ids = logits.max(dim=-1).indices  # argmax's answer (the first maximum) at half its time on CPU
+    token_ids = first_max(logits)  # argmax's answer (the first maximum), a C++ pass on CPU
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         token_ids = token_ids.clone()
@@ -73,7 +74,7 @@ def takes_argmax(sampling: list[ScheduledRequest]) -> bool:
 
 def greedy_output(logits: torch.Tensor, sampling: list[ScheduledRequest]) -> ModelRunnerOutput:
     """The argmax of each row of `logits` (any float dtype: the first maximum, as `sample` takes it)."""
-    chosen = logits.max(dim=-1).indices.tolist()
+    chosen = first_max(logits).tolist()
     return ModelRunnerOutput(dict(zip((s.request_id for s in sampling), chosen, strict=True)), {}, {})
 
 
