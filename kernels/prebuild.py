@@ -17,11 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from iterserve.kernels import cpu_bf16_linear, cpu_layer_ops, cpu_paged_attention
+from iterserve.kernels import cpu_bf16_linear, cpu_decode_stack, cpu_layer_ops, cpu_paged_attention
 from iterserve.kernels.cpu_extension import prebuilt_path, supported_marches
 
 EXTENSIONS = {e.name: e for e in (cpu_paged_attention._extension, cpu_paged_attention._prefill_extension,
-                                  cpu_layer_ops._extension, cpu_bf16_linear._extension)}
+                                  cpu_layer_ops._extension, cpu_bf16_linear._extension,
+                                  cpu_decode_stack._extension)}
 DEFAULT_MARCHES = ("x86-64-v3", "x86-64-v4", "x86-64-v4-bf16")
 
 

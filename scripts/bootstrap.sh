@@ -19,7 +19,7 @@ if [ "${1:-}" = "--with-kube" ]; then
   bash scripts/install_system_deps.sh
   bash scripts/build_kube.sh
 fi
-# Build the C++ CPU kernels (decode and prefill attention, layer ops, the bf16 linear) now (a minute or two each the first
+# Build the C++ CPU kernels (decode and prefill attention, layer ops, the bf16 linear, the decode stack) now (a minute or two each the first
 # time, cached in ~/.cache/iterserve), so no server start or test pays for them; without a compiler they
 # warn and the torch path serves.
-.venv/bin/python -c "from iterserve.kernels import cpu_bf16_linear as l, cpu_layer_ops as o, cpu_paged_attention as a; a.available(); a.prefill_available(); o.available(); l.available()"
+.venv/bin/python -c "from iterserve.kernels import cpu_bf16_linear as l, cpu_decode_stack as d, cpu_layer_ops as o, cpu_paged_attention as a; a.available(); a.prefill_available(); o.available(); l.available(); d.available()"

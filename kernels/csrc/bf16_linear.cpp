@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "c_api.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -165,6 +167,8 @@ torch::Tensor linear(const torch::Tensor&, const torch::Tensor&, int64_t, const 
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  static const iterserve::c_api::Linear api{iterserve::c_api::kVersion, &linear};
+  m.attr("c_api") = iterserve::c_api::capsule_of(api);
   m.def("supported", &supported, "whether this build has the AVX512-BF16 kernel");
   m.def("pack", &pack, "W [N, K] bf16 -> the kernel's packed layout");
   m.def("linear", &linear, "y = x W^T (+ bias) from the packed W", py::arg("x"), py::arg("packed"),

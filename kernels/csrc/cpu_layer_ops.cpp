@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "bf16.h"
+#include "c_api.h"
 #include "vec_exp.h"
 
 namespace {
@@ -262,6 +263,8 @@ torch::Tensor first_max(const torch::Tensor& logits) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  static const iterserve::c_api::LayerOps api{iterserve::c_api::kVersion, &add_rms_norm, &silu_and_mul, &rotary};
+  m.attr("c_api") = iterserve::c_api::capsule_of(api);
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, float32/bfloat16 CPU", py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU: silu(gate) * up, float32/bfloat16 CPU", py::arg("gate_up"),

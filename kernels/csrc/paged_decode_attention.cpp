@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "c_api.h"
 #include "decode_tiles.h"
 #include "vec_exp.h"
 
@@ -263,6 +264,8 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  static const iterserve::c_api::Attention api{iterserve::c_api::kVersion, &paged_decode_attention, &write_kv};
+  m.attr("c_api") = iterserve::c_api::capsule_of(api);
   // The GIL is released: the engine loop runs in a background thread next to the HTTP server's.
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention from the paged K/V cache (CPU, float32 or bfloat16)",

@@ -53,6 +53,9 @@ class PackedLinear(nn.Module):
     stays, empty, under its name). Only for a weight nothing else shares (not a tied LM head).
     """
 
+    packed: torch.Tensor  # the kernel's layout (in_kernel), else oneDNN's
+    kernel_bias: torch.Tensor | None  # the bias in fp32, as the kernel adds it (in_kernel only)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, release_unpacked: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias  # shared with the module they came from, not copied

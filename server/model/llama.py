@@ -9,16 +9,26 @@ The attention function and the layer's elementwise ops (`layer_ops`: residual ad
 SwiGLU) are passed in (kernels/layer_ops.py: `AttentionFn`, `LayerOps`): the C++ ops on CPU, the fused
 Triton kernels on CUDA (kernels/triton_backend.py), `TorchLayerOps` by default. Layers hand the
 residual stream on separately, as vLLM does, so the residual add can be fused into the next norm.
+
+On the CPU, where every piece of a layer is a C++ kernel (bf16 projections in the AVX512-BF16 kernel),
+decode-only steps run the whole stack in one call instead (kernels/cpu_decode_stack.py): the same
+kernels in the same order, without the Python between them.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.kernels import cpu_decode_stack
 from iterserve.kernels.attention_metadata import AttentionMetadata
+from iterserve.kernels.cpu_decode_stack import DecodeStack, StackLayer
+from iterserve.kernels.cpu_layer_ops import CpuLayerOps
 from iterserve.kernels.layer_ops import AttentionFn, LayerOps, TorchLayerOps
+from iterserve.kernels.paged_attention_torch import paged_attention
 from iterserve.server.model.cpu_linear import PackedLinear
 from iterserve.server.model.model_config import ModelConfig
 from iterserve.server.model.rope import RotaryEmbedding
@@ -141,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # set by pack_linears(), on the CPU only (see cpu_linear.py), once the model will not move any more
         self.packed_lm_head: PackedLinear | None = None
+        self.decode_stack: DecodeStack | None = None  # set by pack_linears() where it serves
 
     def layer_rope(self, layer: int) -> RotaryEmbedding:
         if self.local_rope is not None and self.config.layer_window(layer):
@@ -153,6 +164,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
+        if self.decode_stack is not None and meta.decode_only and self.decode_stack.serves(x, kv_caches[0][0]):
+            g = meta.single_groups[0]
+            return self.decode_stack.forward(x, positions, meta.slot_mapping, g.context_blocks, g.context_lens,
+                                             meta.block_size, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         return self.layer_ops.add_rms_norm(self.norm, x, residual)[0]
@@ -185,6 +200,35 @@ class LlamaForCausalLM(nn.Module):
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
                 linear = getattr(owner, name)
                 setattr(owner, name, PackedLinear(linear.weight, linear.bias, release_unpacked=True))
+        self.decode_stack = self._decode_stack()
+
+    def _decode_stack(self) -> DecodeStack | None:
+        """The C++ decode stack over these layers, where each piece of every layer is one of its kernels:
+        a plain Llama layer (no q/k norms, window or soft-cap) whose projections the bf16 kernel packed."""
+        if type(self).decoder_layer is not DecoderLayer or self.layer_ops is not CpuLayerOps \
+                or not cpu_decode_stack.available():
+            return None
+        layers, attentions = [], []
+        for layer in self.layers:
+            if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, MLP):
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            kernel = [p for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                      if isinstance(p, PackedLinear) and p.in_kernel]
+            if (len(kernel) < 4 or attn.q_norm is not None or attn.attention_options
+                    or attn.attention_fn is not paged_attention or attn.rope.cos_cache.dtype != torch.float32):
+                return None
+            qkv, o, gate_up, down = cast("list[PackedLinear]", kernel)
+            layers.append(StackLayer(
+                input_norm=layer.input_layernorm.weight.detach(),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                qkv=qkv.packed, qkv_bias=qkv.kernel_bias, o=o.packed, o_bias=o.kernel_bias,
+                gate_up=gate_up.packed, down=down.packed, cos=attn.rope.cos_cache, sin=attn.rope.sin_cache))
+            attentions.append(attn)
+        first = attentions[0]
+        return DecodeStack(layers, self.norm.weight.detach(), self.config.rms_norm_eps, first.num_heads,
+                           first.num_kv_heads, first.head_dim, self.config.hidden_size, self.config.intermediate_size,
+                           first.scale)
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:

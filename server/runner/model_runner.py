@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from iterserve.kernels import cpu_layer_ops, cpu_paged_attention
+from iterserve.kernels import cpu_bf16_linear, cpu_decode_stack, cpu_layer_ops, cpu_paged_attention
 from iterserve.server.engine.scheduler import SchedulerOutput
 from iterserve.server.model.cpu_linear import onednn_packing_supported
 from iterserve.server.model.model_config import ModelConfig
@@ -63,6 +63,8 @@ class ModelRunner:
             self.cpu_kernels = {"paged_attention": cpu_paged_attention.available(),
                                 "prefill_attention": cpu_paged_attention.prefill_available(),
                                 "layer_ops": cpu_layer_ops.available()}
+            if dtype == torch.bfloat16 and cpu_bf16_linear.available():  # where the decode stack can serve
+                self.cpu_kernels["decode_stack"] = cpu_decode_stack.available()
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and self.backend.name == "triton"
