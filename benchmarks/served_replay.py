@@ -1,7 +1,8 @@
 """A served load replayed in-process: the engine stepped directly, closed loop, steps split by kind.
 
     python benchmarks/served_replay.py [--workload mixed] [--seed 3] [--requests 120] [--concurrency 16]
-                                       [--max-model-len 2048] [--threads 2] [--model DIR] [--out F.json]
+                                       [--max-model-len 2048] [--threads 2] [--dtype auto]
+                                       [--model DIR] [--out F.json]
 
 The same seeded requests `iterserve bench` sends (iterserve.bench.workload), kept --concurrency at a
 time: a request joins the moment another finishes, before the next step, so no step waits on HTTP, the
