@@ -30,9 +30,10 @@ def check(rows, out_features, in_features, with_bias, seed=0):
                                rtol=2 ** -7, atol=1e-4 * in_features ** 0.5)
 
 
-# every few-rows case (1-8), the tiled path with each remainder (9-23), and a prefill's rows; column
-# counts off the 16-column block and off the tile's 48, and K from one pair up
-@pytest.mark.parametrize("rows", [*range(1, 24), 64, 301, 600])
+# every few-rows case (1-8), the tiled path with each remainder (9-23), and a prefill's rows split into
+# equal row blocks (257: two of 136 and 121; 1,001: four of 256 and 233); column counts off the 16-column
+# block and off the tile's 48, and K from one pair up
+@pytest.mark.parametrize("rows", [*range(1, 24), 64, 257, 301, 600, 1001])
 def test_rows(rows):
     check(rows, out_features=100, in_features=64, with_bias=False, seed=rows)
 
