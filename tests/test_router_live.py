@@ -19,6 +19,8 @@ from tests.server_support import metric_value, wait_idle
 from tests.waiting import wait_until
 
 GREEDY = dict(temperature=0, max_tokens=12)
+# exactly two tokens through the router: the random model samples its EOS now and then at temperature 1
+TWO = dict(max_tokens=2, extra_body={"ignore_eos": True})
 # two servers load at once for the module: minutes on a busy 2-core machine
 pytestmark = pytest.mark.timeout(900)
 
@@ -240,7 +242,7 @@ def test_discovery_by_dns_name(pods):
     proc, router = start_router(extra=("--dns-name", "localhost", "--backend-port", port))
     try:
         wait_healthy(router, pods[0])
-        r = _client(router).completions.create(model="m", prompt="hi", max_tokens=2)
+        r = _client(router).completions.create(model="m", prompt="hi", **TWO)
         assert r.usage.completion_tokens == 2
         assert routed(router, pods[0]) == 1
     finally:
@@ -254,9 +256,9 @@ def test_a_connection_to_a_pod_outlives_a_pause_in_traffic(pods):
     try:
         wait_healthy(router, pods[0])
         client = _client(router)
-        assert client.completions.create(model="m", prompt="before", max_tokens=2).usage.completion_tokens == 2
+        assert client.completions.create(model="m", prompt="before", **TWO).usage.completion_tokens == 2
         time.sleep(6)  # longer than the pods' former 5 s keep-alive and the router's former 3 s pool
-        assert client.completions.create(model="m", prompt="after", max_tokens=2).usage.completion_tokens == 2
+        assert client.completions.create(model="m", prompt="after", **TWO).usage.completion_tokens == 2
         text = httpx.get(router + "/metrics").text
         assert metric_value(text, "iterserve:router_upstream_connections_total", pod=pods[0]) == 1
         assert routed(router, pods[0]) == 2
@@ -286,7 +288,7 @@ def test_workers_share_the_port_and_stop_together(pods):
         wait_healthy(router, *pods)
         for i in range(6):  # new connections each time: the kernel spreads them over the workers
             with _client(router) as fresh:
-                assert fresh.completions.create(model="m", prompt=f"w{i}", max_tokens=2).usage.completion_tokens == 2
+                assert fresh.completions.create(model="m", prompt=f"w{i}", **TWO).usage.completion_tokens == 2
     finally:
         out = stop(proc)
     assert proc.returncode == 0 and "Traceback" not in out, out
