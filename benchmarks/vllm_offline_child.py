@@ -24,6 +24,8 @@ def main() -> None:
     # one short warm-up generate, as our side's first step also pays one-time costs outside the timing
     llm.generate(spec["prompts"][:1], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)],
                  use_tqdm=False)
+    # RESULT.started marks the timed generate's start (benchmarks/profile_vllm.py samples from then on)
+    open(sys.argv[2] + ".started", "w").close()
     start = time.perf_counter()
     outputs = llm.generate(spec["prompts"], params, use_tqdm=False)
     seconds = time.perf_counter() - start
