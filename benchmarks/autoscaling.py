@@ -97,6 +97,8 @@ class Hpa:
     threshold: float
     lo: int
     hi: int
+    down_window_s: float = HPA_DOWN_WINDOW_S
+    down_every_s: float = HPA_DOWN_EVERY_S
     history: list[tuple[float, int]] = field(default_factory=list)
     last_down: float = -math.inf
 
@@ -105,11 +107,11 @@ class Hpa:
         want = current if abs(ratio - 1) <= HPA_TOLERANCE else math.ceil(obs.num_pods * ratio)
         want = min(max(want, self.lo), self.hi, max(2 * current, current + 4))
         self.history.append((now, want))
-        self.history[:] = [(t, w) for t, w in self.history if now - t <= HPA_DOWN_WINDOW_S]
+        self.history[:] = [(t, w) for t, w in self.history if now - t <= self.down_window_s]
         if want >= current:
             return want
         want = max(w for _, w in self.history)
-        if want >= current or now - self.last_down < HPA_DOWN_EVERY_S:
+        if want >= current or now - self.last_down < self.down_every_s:
             return current
         self.last_down = now
         return current - 1

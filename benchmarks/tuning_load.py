@@ -110,10 +110,11 @@ async def find_target(client: httpx.AsyncClient, url: str, probe: RequestSpec) -
 
 
 async def asend_load(url: str, load: StepLoad, drain_s: float = 30.0, timeout_s: float = 300.0,
-                     on_start=None) -> list[RequestRecord]:
+                     on_start=None, route=None) -> list[RequestRecord]:
     """Play `load` against `url`; requests still running `drain_s` after the last arrival are cancelled
     (recorded as such). `on_start(t0)` is called with the run's perf_counter origin just before the
-    first arrival (the tuner's clock starts there)."""
+    first arrival (the tuner's clock starts there). `route()`, when given, names the URL of each request
+    as it is sent (a Service's endpoint of the moment); `url` then only answers the first probe."""
     schedule = load.schedule()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10)) as client:
@@ -130,7 +131,8 @@ async def asend_load(url: str, load: StepLoad, drain_s: float = 30.0, timeout_s:
             record = RequestRecord(index=spec.index, kind=spec.kind, max_tokens=spec.max_tokens, start=now(),
                                    input_len=spec.input_len)
             records.append(record)
-            tasks.append(asyncio.create_task(stream_request(client, target, spec, record, t0, timeout_s)))
+            to = target if route is None else replace(target, url=route())
+            tasks.append(asyncio.create_task(stream_request(client, to, spec, record, t0, timeout_s)))
         if (delay := load.duration_s - now()) > 0:
             await asyncio.sleep(delay)
         if tasks:
@@ -141,8 +143,8 @@ async def asend_load(url: str, load: StepLoad, drain_s: float = 30.0, timeout_s:
     return records
 
 
-def send_load(url: str, load: StepLoad, drain_s: float = 30.0, on_start=None) -> list[RequestRecord]:
-    return asyncio.run(asend_load(url, load, drain_s, on_start=on_start))
+def send_load(url: str, load: StepLoad, drain_s: float = 30.0, on_start=None, route=None) -> list[RequestRecord]:
+    return asyncio.run(asend_load(url, load, drain_s, on_start=on_start, route=route))
 
 
 def p99(values: list[float]) -> float | None:

@@ -9,8 +9,10 @@ For every pod (of one namespace, or all), `LocalKubelet`:
 - writes the pod's status through the status subresource: podIP, phase, containerStatuses with the
   restart count, and the Ready condition, True only while the readiness endpoint answers 200;
 - restarts a process that exits (restartPolicy Always), with a growing back-off, counting restarts;
-- when the pod is deleted (deletionTimestamp set), SIGTERMs the process, waits out the grace period, then
-  removes the object with gracePeriodSeconds=0, as a kubelet does.
+- when the pod is deleted (deletionTimestamp set), runs the container's preStop exec hook as a local
+  command when `prestop` is set (the product's is `sleep 5`: the time a Service takes to drop the pod), then
+  SIGTERMs the process, waits out what is left of the grace period, and removes the object with
+  gracePeriodSeconds=0, as a kubelet does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import itertools
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -70,8 +73,9 @@ class LocalKubelet:
     def __init__(self, cluster: KubeCluster, iterserve_bin: str | None = None, *, namespace: str | None = None,
                  extra_args: Sequence[str] = (), model_paths: Mapping[str, str] | None = None,
                  env: Mapping[str, str] | None = None, node_name: str = "local-0", log_dir: Path | None = None,
-                 max_restart_backoff: float = 10.0):
+                 max_restart_backoff: float = 10.0, prestop: bool = False):
         self.cluster = cluster
+        self.prestop = prestop  # off by default: most tests delete pods and need not wait out the hook
         self.iterserve_bin = iterserve_bin or str(Path(sys.executable).parent / "iterserve")
         self.namespace = namespace
         self.extra_args = list(extra_args)
@@ -195,6 +199,21 @@ class LocalKubelet:
         with self._lock:
             if self._runners.get((runner.namespace, runner.name)) is runner:
                 del self._runners[(runner.namespace, runner.name)]
+
+
+def run_prestop(container: Mapping, grace: float) -> float:
+    """Run the container's preStop exec hook here (a kubelet runs it in the container, before the SIGTERM,
+    within the grace period); the seconds it took. An httpGet hook or none: nothing to run."""
+    command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+    if not command:
+        return 0.0
+    started = time.monotonic()
+    try:
+        subprocess.run(list(command), timeout=max(grace, 0), check=False, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (subprocess.TimeoutExpired, OSError):
+        pass  # a hook that fails or overruns does not stop the kill, as with a kubelet
+    return time.monotonic() - started
 
 
 class _PodRunner(threading.Thread):
@@ -322,7 +341,9 @@ class _PodRunner(threading.Thread):
             grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
         if self._shutdown:
             grace = min(grace, 10)  # the test is tearing down: do not wait out long drains
-        code = self.process.stop(grace=grace)
+        elif self.kubelet.prestop:
+            grace -= run_prestop(self.container, grace)
+        code = self.process.stop(grace=max(grace, 0))
         self.kubelet.exit_codes.setdefault((self.namespace, self.name), []).append(container_exit_code(code))
         self.process = None
 

@@ -91,3 +91,18 @@ def test_deployment_pod_runs_as_a_local_server(kube_cluster, kube_namespace, tin
                    timeout=60, what="the deleted pod to be removed")
         assert not os.path.exists(f"/proc/{second_pid}")
         assert kubelet.exit_codes[(kube_namespace, name)] == [128 + signal.SIGKILL, 0]  # 0: drained on SIGTERM
+
+
+def test_prestop_exec_hook_runs_before_the_kill_within_the_grace_period(tmp_path):
+    from tests.kubelet_standin import run_prestop
+
+    marker = tmp_path / "hook-ran"
+    hook = {"lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", f"sleep 0.3; touch {marker}"]}}}}
+    took = run_prestop(hook, grace=10)
+    assert marker.exists() and 0.3 <= took < 5
+    # a hook longer than the grace period is cut off there, as a kubelet cuts it
+    took = run_prestop({"lifecycle": {"preStop": {"exec": {"command": ["sleep", "30"]}}}}, grace=0.5)
+    assert 0.5 <= took < 5
+    # nothing to run: no hook, an httpGet hook
+    assert run_prestop({}, grace=10) == 0.0
+    assert run_prestop({"lifecycle": {"preStop": {"httpGet": {"path": "/", "port": 80}}}}, grace=10) == 0.0
