@@ -6,7 +6,7 @@ manifests' RBAC, `iterserve operator` as a subprocess with only those rights, th
 (tests/kubelet_standin.py: each pod an `iterserve serve --threads 1` on its own 127.0.0.N, its preStop
 hook run before the SIGTERM) and a Service stand-in (tests/service_standin.py: each request round-robin
 to the pods that are Ready and not terminating, as a plain Service sends it). Every run is a fresh
-LLMService (1 replica, knobs far from tuned, tuning `auto`) under the same stepped load (low, a peak that
+LLMService (1 replica, tuning `auto`) under the same stepped load (low, a peak that
 one pod cannot carry at any knob setting, low: benchmarks/tuning_load.py's mix of chats and documents).
 
 - knobs: the tuner alone, spec.replicas 1;
@@ -16,6 +16,7 @@ one pod cannot carry at any knob setting, low: benchmarks/tuning_load.py's mix o
   (manifests/samples/external-autoscalers/) would: its formula and tolerance (benchmarks/autoscaling.py's
   `Hpa`), its scale-down window set to spec.autoscaling's here, so that both may give a pod back as soon.
 
+Every run starts from the same knobs (`--start-knobs`); the tuner moves them within the same bounds.
 Calibration, first, on one pod: a long prompt's TTFT and the inter-token gap alone, and the requests per
 second one pod finishes under overload (at the tuner's starting knobs), and the same for two pods; the
 SLOs are factors of the first two, the load's rates factors of the one-pod capacity. Per run: 20-second
@@ -26,6 +27,7 @@ integrated over the load. Runs alternate their order from round to round. A benc
 asserts nothing. `tests/test_autoscaling_live.py` runs a small one on the tiny model.
 
     python benchmarks/autoscaling_live.py                         # 1 round: knobs, replicas, hpa at 1 and 4
+    python benchmarks/autoscaling_live.py --start-knobs 4,128     # knobs far from tuned, as the simulator starts
     python benchmarks/autoscaling_live.py --rounds 2 --controllers replicas,hpa-1
 """
 
@@ -63,13 +65,12 @@ from tests.waiting import wait_until  # noqa: E402
 
 NAMESPACE = "live"
 HPA_PERIOD_S = 15.0  # the HPA's sync period
-START_KNOBS = {"maxNumSeqs": 4, "prefillChunkSize": 128}  # far from tuned, as the simulator starts
 
 
 @dataclass(frozen=True)
 class Setup:
     model: str | None  # None: the bundled model
-    engine: dict
+    engine: dict  # with the starting knobs
     bounds: dict
     slo: dict  # ttftP99Ms, itlP99Ms
     load: StepLoad
@@ -87,11 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--model", default=None, help="a model directory (default: the bundled SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--start-knobs", default="16,128", help="max_num_seqs,prefill_chunk_size each run starts from")
     p.add_argument("--max-replicas", type=int, default=2)
     p.add_argument("--rates", default="0.4,1.4,0.4", help="the load's phases, as multiples of one pod's capacity")
     p.add_argument("--phase-s", default="90,180,150")
     p.add_argument("--ttft-factor", type=float, default=8.0, help="TTFT SLO: this x a long prompt's TTFT alone")
-    p.add_argument("--itl-factor", type=float, default=5.0, help="ITL SLO: this x the inter-token gap alone")
+    p.add_argument("--itl-factor", type=float, default=16.0,
+                   help="ITL SLO: this x the inter-token gap alone (a step that carries a 128-token prefill chunk "
+                        "fits, one of 256 does not)")
     p.add_argument("--window-s", type=float, default=20.0)
     p.add_argument("--settle-s", type=float, default=60.0, help="left out after each step of the load")
     p.add_argument("--scale-down-s", type=int, default=60, help="scale-down stabilization, both controllers")
@@ -118,7 +122,7 @@ def pair(text: str) -> tuple[int, int]:
 
 def llmservice_spec(setup: Setup, controller: str) -> dict:
     spec: dict = {"replicas": 1, "drainTimeoutSeconds": 30,
-                  "engine": {**setup.engine, **START_KNOBS},
+                  "engine": dict(setup.engine),
                   "slo": setup.slo, "tuning": {**setup.tuning, "mode": "auto", "bounds": setup.bounds}}
     if setup.model:
         spec["model"] = {"source": "path", "path": setup.model}
@@ -338,8 +342,10 @@ def main(argv=None) -> int:
     print(f"workdir: {workdir}", flush=True)
     live = Live(args, workdir)
     try:
-        engine = {"threads": args.threads, "maxModelLen": args.max_model_len, "kvCacheMemory": args.kv_cache_memory}
-        bounds = {"maxNumSeqs": {"min": 2, "max": 64}, "prefillChunkSize": {"min": 64, "max": 512}}
+        seqs, chunk = pair(args.start_knobs)
+        engine = {"threads": args.threads, "maxModelLen": args.max_model_len, "kvCacheMemory": args.kv_cache_memory,
+                  "maxNumSeqs": seqs, "prefillChunkSize": chunk}
+        bounds = {"maxNumSeqs": {"min": 4, "max": 64}, "prefillChunkSize": {"min": 64, "max": 512}}
         base = Setup(model=args.model, engine=engine, bounds=bounds, slo={}, load=StepLoad(
             (), long_prompt=pair(args.long_prompt), output=pair(args.output), long_output=pair(args.long_output),
             seed=args.seed), window_s=args.window_s, settle_s=args.settle_s, max_replicas=args.max_replicas,
