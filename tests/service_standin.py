@@ -54,8 +54,9 @@ class ServiceStandin:
         return self
 
     def stop(self) -> None:
+        """Stop following the pods. The watch thread (a daemon) ends at its next event or when the server
+        closes the watch; nobody waits for that."""
         self._stopped.set()
-        self._thread.join(timeout=WATCH_SECONDS + 5)
 
     def __enter__(self) -> ServiceStandin:
         return self.start()
