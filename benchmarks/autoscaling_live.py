@@ -54,7 +54,7 @@ import yaml  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks.autoscaling import Hpa  # noqa: E402
-from benchmarks.tuning_load import Phase, StepLoad, send_load, window_figures  # noqa: E402
+from benchmarks.tuning_load import Phase, StepLoad, send_load, share_within, window_figures  # noqa: E402
 from iterserve.bench.report import itls  # noqa: E402
 from iterserve.operator.constants import GROUP, PLURAL, VERSION  # noqa: E402
 from tests.kube_support import start_cluster  # noqa: E402
@@ -264,11 +264,6 @@ def settled(windows: list[dict], load: StepLoad, settle_s: float) -> list[dict]:
     return [w for w in windows if not any(s <= w["start_s"] < s + settle_s for s in starts)]
 
 
-def share(windows: list[dict]) -> float | None:
-    decided = [w["within_slo"] for w in windows if w["within_slo"] is not None]
-    return sum(decided) / len(decided) if decided else None
-
-
 def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
     service = live.create(name, llmservice_spec(setup, controller))
     player = None
@@ -293,7 +288,8 @@ def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
               if e["reason"] in ("ScaledOut", "ScaledIn", "KnobsChanged", "KnobsRolledBack")]
     figures = {
         "controller": controller, "name": name,
-        "windows_within_slo": share(windows), "settled_within_slo": share(settled(windows, setup.load, setup.settle_s)),
+        "windows_within_slo": share_within(windows),
+        "settled_within_slo": share_within(settled(windows, setup.load, setup.settle_s)),
         "replica_s": round(service.pod_seconds(t0, t0 + duration), 1),
         "peak_pods": max((pods for _, pods, _ in timeline), default=0),
         "num_requests": len(records), "num_failed": sum(not r.ok for r in records),

@@ -29,18 +29,17 @@ from tests.operator_support import (
     admin_kube,
     admin_token,
     apply_llmservice,
-    assert_no_denials,
     condition,
     events_for,
+    operator,
     operator_rbac,
-    start_operator,
     wait_for_status,
 )
 from tests.service_standin import ServiceStandin
 from tests.test_tuning_e2e import request_seconds
 from tests.waiting import wait_until
 
-__all__ = ["operator_rbac"]  # a fixture, used by name
+__all__ = ["operator", "operator_rbac"]  # fixtures, used by name
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(900)]
 
@@ -100,14 +99,6 @@ class Clients:
     def failed(self) -> list[tuple[str, int | None, str]]:
         with self._lock:
             return [o for o in self.outcomes if o[1] != 200]
-
-
-@pytest.fixture
-def operator(kube_cluster, kube_namespace, operator_rbac):
-    process = start_operator(kube_cluster, kube_namespace, "--standalone")
-    yield process
-    process.stop()
-    assert_no_denials(process)
 
 
 def test_scales_out_when_the_knobs_are_spent_and_in_without_a_failed_request(kube_cluster, kube_namespace,
