@@ -50,6 +50,7 @@ def parse_load(text: str) -> dict[str, float]:
 class Pod:
     url: str
     healthy: bool = False  # only a successful scrape makes a pod routable
+    listed: bool = True  # discovery still names it: one it has dropped finishes its requests, takes no new ones
     last_ok: float = 0.0
     failures: int = 0
     load: PodLoad = field(init=False)  # what the policies read; the in-flight count is updated in place
@@ -97,7 +98,7 @@ class PodSet:
         self._task: asyncio.Task | None = None
 
     def healthy(self, exclude=()) -> list[Pod]:
-        return [p for p in self.pods.values() if p.healthy and p.url not in exclude]
+        return [p for p in self.pods.values() if p.healthy and p.listed and p.url not in exclude]
 
     def mark_down(self, pod: Pod, why: str) -> None:
         if pod.healthy:
@@ -112,9 +113,12 @@ class PodSet:
             logger.warning("discovery failed (%s): keeping %d known pods", e, len(self.pods))
         else:
             for url in urls:
-                self.pods.setdefault(url, Pod(url))
+                self.pods.setdefault(url, Pod(url)).listed = True
             for url in set(self.pods) - set(urls):
-                if self.pods[url].load.in_flight == 0:  # its requests still finish through their own connection
+                # a pod leaves the headless Service's answer as it starts terminating (its preStop hook
+                # runs before SIGTERM): no new requests go there, those in flight finish on their connection
+                self.pods[url].listed = False
+                if self.pods[url].load.in_flight == 0:
                     del self.pods[url]
         await asyncio.gather(*(self._scrape(p) for p in list(self.pods.values())))
 

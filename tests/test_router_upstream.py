@@ -144,6 +144,45 @@ def test_a_pod_leaves_routing_only_after_failure_threshold_slow_scrapes_in_a_row
     assert healthy, "a prompt scrape makes the pod routable again"
 
 
+def test_a_pod_discovery_drops_takes_no_new_requests_and_is_forgotten_once_its_requests_end():
+    # two pods answer /metrics; the second leaves discovery (a terminating pod leaves the headless Service's
+    # answer before its SIGTERM, so it still answers) while a request of this router runs there
+    from aiohttp import web
+
+    from iterserve.router.pods import Discovery, PodSet
+
+    async def main():
+        async def metrics(request):
+            return web.Response(text="vllm:num_requests_waiting 0.0\n")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        a, b = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
+        discovery = Discovery([a, b])
+        pods = PodSet(discovery, timeout=1.0)
+        await pods.start()
+        seen = [(sorted(pods.pods), sorted(p.url for p in pods.healthy()))]
+        pods.pods[b].load.in_flight = 1
+        discovery.endpoints = [a]
+        await pods.refresh()
+        seen.append((sorted(pods.pods), sorted(p.url for p in pods.healthy())))
+        pods.pods[b].load.in_flight = 0
+        await pods.refresh()
+        seen.append((sorted(pods.pods), sorted(p.url for p in pods.healthy())))
+        await pods.stop()
+        await runner.cleanup()
+        return seen, a, b
+
+    seen, a, b = asyncio.run(main())
+    assert seen == [([a, b], [a, b]),  # both listed and answering
+                    ([a, b], [a]),  # b kept for its request in flight, routable no more
+                    ([a], [a])]  # its request ended: forgotten
+
+
 @pytest.mark.parametrize("endpoint", ["https://pod:8000", "pod:8000", "http://pod:8000/v1", "http:///nohost"])
 def test_an_endpoint_that_is_not_a_pods_plain_http_base_url_is_refused(endpoint):
     from iterserve.router.pods import Discovery

@@ -108,11 +108,11 @@ ROWS = [
      ScaleState(), fleet(window(ttft=1500, pods=8), replicas=8, verdict=BOUNDS), POLICY,
      (STAY, 8, "MaxReplicasReached", "maxReplicas")),
     ("the queue kept growing, whatever the tuner says: out to carry arrivals and drain the queue",
-     ScaleState(queue=((NOW - 10, 6.0),)),
-     fleet(window(waiting=10.0, rate=4.0), verdict=BREACHED, action=RAISE_SEQS), POLICY,
+     ScaleState(queue=((NOW - 60, 6.0),)),
+     fleet(window(waiting=30.0, rate=4.0), verdict=BREACHED, action=RAISE_SEQS), POLICY,
      (SCALE_OUT, 3, "ScaledOut", "queue grew 0.40 requests/s")),
     ("a growing queue asking for more than one step: the first step, and the goal kept",
-     ScaleState(queue=((NOW - 10, 6.0),)),
+     ScaleState(queue=((NOW - 60, 6.0),)),
      fleet(window(waiting=306.0, rate=4.0), verdict=BREACHED, action=RAISE_SEQS), POLICY,
      (SCALE_OUT, 6, "ScaledOut", "on the way to 8")),
     ("the evidence asked for more than one step: the next step follows without waiting for the pods",
@@ -121,8 +121,11 @@ ROWS = [
     ("a queue creeping up by less than a tenth of the completions is noise, not growth",
      ScaleState(queue=((NOW - 30, 3.0),)), fleet(window(waiting=3.5, rate=4.0), verdict=MET), POLICY,
      (STAY, 2, "Steady", "")),
-    ("a queue that rose then fell is not growing", ScaleState(queue=((NOW - 20, 2.0), (NOW - 10, 6.0))),
+    ("a queue that rose then fell is not growing", ScaleState(queue=((NOW - 120, 2.0), (NOW - 60, 6.0))),
      fleet(window(waiting=5.0, rate=4.0), verdict=MET), POLICY, (STAY, 2, "Steady", "")),
+    ("a window that overlaps the last reading kept is no new reading: a burst read twice is not growth",
+     ScaleState(queue=((NOW - 20, 6.0),)), fleet(window(waiting=30.0, rate=4.0), verdict=MET), POLICY,
+     (STAY, 2, "Steady", "")),
     ("headroom, window not over", dataclasses.replace(LONG_AGO, headroom_since=NOW - 100),
      fleet(window(rate=2.0, running=2)), POLICY, (STAY, 2, "Steady", "200 s left")),
     ("headroom for the window and the load fits one pod fewer: in by one",
@@ -188,6 +191,18 @@ def test_an_earlier_capacity_survives_a_scale_out_on_idle_batches():
     st = dataclasses.replace(LONG_AGO, capacity=9.0, capacity_knobs=None)
     d = decide_scale(st, fleet(window(ttft=1500, rate=6.0, running=4), verdict=BOUNDS), POLICY, NOW)
     assert d.action == SCALE_OUT and d.state.capacity == 9.0
+
+
+@pytest.mark.parametrize("start, kept", [
+    (NOW - 60, True),  # starts where the last kept reading's window ended
+    (NOW - 63, True),  # a tick's jitter: within a tenth of the window
+    (NOW - 70, False),  # shares ten seconds of requests with it
+])
+def test_a_queue_reading_is_kept_only_when_its_window_follows_the_last_kept(start, kept):
+    before = ScaleState(queue=((NOW - 60, 6.0),))
+    obs = dataclasses.replace(window(waiting=8.0), start=start)
+    d = decide_scale(before, fleet(obs), POLICY, NOW)
+    assert d.state.queue == (((NOW - 60, 6.0), (NOW, 8.0)) if kept else ((NOW - 60, 6.0),))
 
 
 def test_headroom_and_pressure_are_timed_from_their_first_window():

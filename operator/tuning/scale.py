@@ -42,7 +42,7 @@ class ScalePolicy:
     settle_s: float = 60.0  # after a change, a window measured entirely after it (the tuner's window)
     headroom_line: float = 0.8  # worst p99 / SLO under which the fleet has headroom (the tuner's line)
     margin: float = 0.2  # a scale-in must leave each pod under (1 - margin) of its capacity and batch cap
-    queue_windows: int = 2  # consecutive rising readings of the waiting queue that count as growing...
+    queue_windows: int = 2  # consecutive rising readings of the queue, windows apart, that count as growing...
     queue_growth: float = 0.1  # ... when it grows by at least this share of the completion rate
     pod_start_s: float = 600.0  # how long pods added by a scale-out are waited for before adding more
     max_factor: float = 2.0  # one scale-out at most multiplies the fleet by this (or adds max_step pods)
@@ -112,9 +112,14 @@ class Tick:
 
     @cached_property
     def queue(self) -> tuple[tuple[float, float], ...]:
-        """The recent readings of the fleet's queue, this one included."""
+        """The recent readings of the fleet's queue, this one included when its window does not overlap
+        the last one kept (within a tenth of a window, for the ticks' jitter). Each reading is a window's
+        average: windows that share their requests share their bursts, and a burst read twice passes for
+        growth (ticks shorter than the window)."""
         st, obs = self.state, self.fleet.obs
-        return st.queue if obs is None else (*st.queue, (self.now, obs.queued))[-self.policy.queue_windows:]
+        if obs is None or (st.queue and obs.start < st.queue[-1][0] - 0.1 * obs.window_s):
+            return st.queue
+        return (*st.queue, (self.now, obs.queued))[-self.policy.queue_windows:]
 
     @cached_property
     def growth(self) -> float | None:
