@@ -11,6 +11,11 @@ one pod cannot carry at any knob setting, low: benchmarks/tuning_load.py's mix o
 
 - knobs: the tuner alone, spec.replicas 1;
 - replicas: the tuner and spec.autoscaling (1 to `--max-replicas`), the product's loop;
+- router: the same, with every request through `iterserve router` (spec.router's default policy,
+  least-load) run by this script as the router Deployment's pod runs it (`--dns-name` of the pods'
+  headless Service), its DNS answered by a stand-in (tests/dns_standin.py: /etc/hosts lines kept to the
+  Ready, non-terminating pods; root needed): the router's Deployment is not started here (the kubelet
+  stand-in runs server pods only), so its pod is not in the replica-seconds;
 - hpa-T: the tuner, and an HPA on the pods' mean `vllm:num_requests_waiting` at threshold T played by
   this script every 15 s through the LLMService's scale subresource, as the shipped example
   (manifests/samples/external-autoscalers/) would: its formula and tolerance (benchmarks/autoscaling.py's
@@ -26,7 +31,7 @@ after each step of the load; replica-seconds are the pods that existed (starting
 integrated over the load. Runs alternate their order from round to round. A benchmark: it prints and
 asserts nothing. `tests/test_autoscaling_live.py` runs a small one on the tiny model.
 
-    python benchmarks/autoscaling_live.py                         # 1 round: knobs, replicas, hpa at 1 and 4
+    python benchmarks/autoscaling_live.py                         # 1 round: knobs, replicas, router, hpa 1 and 4
     python benchmarks/autoscaling_live.py --start-knobs 4,128     # knobs far from tuned, as the simulator starts
     python benchmarks/autoscaling_live.py --rounds 2 --controllers replicas,hpa-1
 """
@@ -57,9 +62,12 @@ from benchmarks.autoscaling import Hpa  # noqa: E402
 from benchmarks.tuning_load import Phase, StepLoad, send_load, share_within, window_figures  # noqa: E402
 from iterserve.bench.report import itls  # noqa: E402
 from iterserve.operator.constants import GROUP, PLURAL, VERSION  # noqa: E402
+from tests.dns_standin import HostsDns  # noqa: E402
 from tests.kube_support import start_cluster  # noqa: E402
 from tests.kubelet_standin import LocalKubelet  # noqa: E402
 from tests.operator_support import admin_kube, events_for, rendered_manifests, start_operator  # noqa: E402
+from tests.router_support import start_router, wait_healthy  # noqa: E402
+from tests.router_support import stop as stop_process  # noqa: E402
 from tests.service_standin import NoEndpoints, ServiceStandin  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
@@ -83,8 +91,8 @@ class Setup:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--controllers", default="knobs,replicas,hpa-1,hpa-4",
-                   help="comma-separated: knobs, replicas, hpa-T (T: mean requests waiting per pod)")
+    p.add_argument("--controllers", default="knobs,replicas,router,hpa-1,hpa-4",
+                   help="comma-separated: knobs, replicas, router, hpa-T (T: mean requests waiting per pod)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--model", default=None, help="a model directory (default: the bundled SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1)
@@ -126,7 +134,7 @@ def llmservice_spec(setup: Setup, controller: str) -> dict:
                   "slo": setup.slo, "tuning": {**setup.tuning, "mode": "auto", "bounds": setup.bounds}}
     if setup.model:
         spec["model"] = {"source": "path", "path": setup.model}
-    if controller == "replicas":
+    if controller in ("replicas", "router"):
         spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": setup.max_replicas,
                                "scaleDownStabilizationSeconds": setup.scale_down_s}
     return spec
@@ -264,11 +272,34 @@ def settled(windows: list[dict], load: StepLoad, settle_s: float) -> list[dict]:
     return [w for w in windows if not any(s <= w["start_s"] < s + settle_s for s in starts)]
 
 
+class Router:
+    """`iterserve router` over the service's pods, found as a headless Service's DNS name (the stand-in's),
+    with the product's scrape interval and the service's drain timeout."""
+
+    def __init__(self, name: str, service: ServiceStandin):
+        self.dns = HostsDns(service, f"{name}-pods.{NAMESPACE}.svc").start()
+        try:
+            self.proc, self.url = start_router(extra=(
+                "--dns-name", self.dns.dns_name, "--backend-port", "8000", "--scrape-interval", "0.2",
+                "--drain-timeout", "30"))
+            wait_healthy(self.url, *service.endpoints())
+        except BaseException:
+            self.dns.stop()
+            raise
+
+    def stop(self) -> str:
+        out = stop_process(self.proc)
+        self.dns.stop()
+        return out
+
+
 def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
     service = live.create(name, llmservice_spec(setup, controller))
-    player = None
+    player = router = None
     if controller.startswith("hpa-"):
         player = HpaPlayer(live.custom, name, service, float(controller[4:]), setup)
+    if controller == "router":
+        router = Router(name, service)
     clock: dict = {}
 
     def on_start(t0: float) -> None:
@@ -276,10 +307,11 @@ def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
         if player is not None:
             player.start()
 
-    records = send_load(service.endpoints()[0], setup.load, drain_s=60.0, on_start=on_start,
-                        route=route_of(service))
+    route = route_of(service) if router is None else (lambda: router.url)
+    records = send_load(service.endpoints()[0], setup.load, drain_s=60.0, on_start=on_start, route=route)
     if player is not None:
         player.stopped.set()
+    router_log = router.stop() if router is not None else ""
     t0, duration = clock["t0"], setup.load.duration_s
     slo_ms = {"ttft": setup.slo["ttftP99Ms"], "itl": setup.slo["itlP99Ms"]}
     windows = window_figures(records, duration, setup.window_s, slo_ms)
@@ -296,6 +328,7 @@ def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
         "errors": sorted({r.error_kind or "" for r in records if not r.ok}),
         "windows": windows, "timeline": timeline, "events": events,
         "hpa_changes": [(round(t - t0, 1), n) for t, n in player.changes] if player else [],
+        "router_log": router_log.splitlines()[-20:],
     }
     live.delete(name, service)
     return figures

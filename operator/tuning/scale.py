@@ -9,10 +9,9 @@ for the scale-down stabilization window and the load spread over one pod fewer w
 margin. `SCALE_RULES` is an ordered table like the tuner's `RULES`: the first rule that decides wins.
 
 What one pod can carry is learned, not configured: at each scale-out on full batches the per-pod
-completion rate (the fleet was saturated, or over its SLO at every knob setting) is remembered as
-`capacity`, and a window that met the SLO at a higher per-pod rate raises it (the load's mix changed). A
-scale-in must leave every pod under (1 - margin) of that capacity, so a fleet does not shrink back into the
-breach it has just grown out of.
+completion rate (the fleet saturated, or over its SLO at every knob setting) is remembered as `capacity`,
+and a met window at a higher per-pod rate raises it. A scale-in must leave every pod under (1 - margin) of
+it, so a fleet does not shrink back into the breach it has just grown out of.
 """
 
 from __future__ import annotations
@@ -113,9 +112,8 @@ class Tick:
     @cached_property
     def queue(self) -> tuple[tuple[float, float], ...]:
         """The recent readings of the fleet's queue, this one included when its window does not overlap
-        the last one kept (within a tenth of a window, for the ticks' jitter). Each reading is a window's
-        average: windows that share their requests share their bursts, and a burst read twice passes for
-        growth (ticks shorter than the window)."""
+        the last one kept (within a tenth of a window: ticks jitter). A reading is a window's average:
+        windows that share requests share bursts, and a burst read twice would pass for growth."""
         st, obs = self.state, self.fleet.obs
         if obs is None or (st.queue and obs.start < st.queue[-1][0] - 0.1 * obs.window_s):
             return st.queue
@@ -355,10 +353,10 @@ def scale_out(t: Tick) -> ScaleDecision | None:
 
 def scale_in(t: Tick) -> ScaleDecision | None:
     """Headroom held for the scale-down window, and the load over one pod fewer still fits: each pod's
-    requests per second under (1 - margin) of the capacity learned at the last scale-out, and not more
-    than 1 / (1 - margin) times the most a pod has been seen to carry within the SLO (a capacity is
-    forgotten when the knobs move; this bound is not, and a fleet probes past it a step at a time), and
-    its requests in flight under (1 - margin) of the batch cap. One pod at a time; the removed pod drains."""
+    requests per second under (1 - margin) of the capacity learned at the last scale-out or, none known
+    under the knobs in force, not over 1 / (1 - margin) times the most a pod was seen to carry within the
+    SLO (a stand-in only: a fleet grown on a breach may never have met the SLO at that rate, and would keep
+    a pod for good); and its requests in flight under (1 - margin) of the batch cap. One pod at a time."""
     s, p, f = t.s, t.policy, t.fleet
     n = t.n
     if s.headroom_since is None or n <= p.min_replicas:
@@ -366,19 +364,19 @@ def scale_in(t: Tick) -> ScaleDecision | None:
     if t.now - s.headroom_since < p.scale_down_window_s:
         left = p.scale_down_window_s - (t.now - s.headroom_since)
         return t.stay(f"headroom, scale-down stabilization window has {left:.0f} s left")
-    fit = 1 - p.margin
+    fit, fewer = 1 - p.margin, f"{n - 1} pod{'s' if n > 2 else ''}"
     rate = t.seen.request_rate / (n - 1)
     if s.capacity is not None and rate > fit * s.capacity:
-        return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {n - 1} pods would pass "
+        return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {fewer} would pass "
                       f"{fit:.0%} of the {s.capacity:.2f} one pod carries within the SLO")
-    if s.proven is not None and rate > s.proven / fit:
-        return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {n - 1} pods is more than "
+    if s.capacity is None and s.proven is not None and rate > s.proven / fit:
+        return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {fewer} is more than "
                       f"{1 / fit:.0%} of the {s.proven:.2f} a pod has been seen to carry within the SLO")
     busy = (t.seen.running + t.seen.queued) / (n - 1)
     if f.batch_cap and busy > fit * f.batch_cap:
-        return t.stay(f"headroom, but {busy:.1f} requests in flight per pod over {n - 1} pods would pass "
+        return t.stay(f"headroom, but {busy:.1f} requests in flight per pod over {fewer} would pass "
                       f"{fit:.0%} of max_num_seqs {f.batch_cap}")
-    fits = f"{rate:.2f} requests/s per pod over {n - 1} pods" + (
+    fits = f"{rate:.2f} requests/s per pod over {fewer}" + (
         f" within {fit:.0%} of the {s.capacity:.2f} one pod carries" if s.capacity is not None else "")
     return t.scale(SCALE_IN, n - 1, f"headroom for {p.scale_down_window_s:.0f} s and {fits}")
 
