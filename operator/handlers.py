@@ -112,6 +112,14 @@ def stop_child_watches(memo: kopf.Memo, **_) -> None:
         watch.stop()
 
 
+@kopf.on.cleanup()
+async def stop_heartbeat(memo: kopf.Memo, **_) -> None:
+    # kopf gives the tasks still running at exit 5 s before it cancels them: every stop would take that long
+    task = getattr(memo, "heartbeat_task", None)
+    if task is not None:
+        task.cancel()
+
+
 async def _beat(health) -> None:
     while True:
         health.beat("operating")
