@@ -94,7 +94,7 @@ class Trace:
 
 
 def out_on_waiting(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: float) -> ScaleDecision:
-    """The product's decision with one rule more, tried and not adopted (docs/benchmarks-operator.md, "F = 2
+    """The product's decision with one rule more, tried and not adopted (docs/benchmarks-autoscaling.md, "F = 2
     behind round-robin"): where it would hold or scale in, a fleet that meets its SLO while requests wait
     for a batch slot (half a request per pod or more on average: what the headroom test counts as not
     next to nothing) and the tuner holds its knobs gets one pod more, and the per-pod rate is learned as

@@ -1,5 +1,5 @@
 """benchmarks/autoscaling_whatif.py: its counterfactuals change what they say they change, and the bound
-docs/benchmarks-operator.md states holds in the model: at F = 2 behind round-robin, even maxReplicas
+docs/benchmarks-autoscaling.md states holds in the model: at F = 2 behind round-robin, even maxReplicas
 asked for at the peak's first instant leaves windows over the SLO after convergence (the backlog one pod
 takes before its peers are ready stays on it), where pods ready before the peak, or least-load routing,
 leave none. One seed; the simulation is deterministic per seed."""
