@@ -123,7 +123,7 @@ ROWS = [
      (STAY, 2, "Steady", "")),
     ("a queue that rose then fell is not growing", ScaleState(queue=((NOW - 120, 2.0), (NOW - 60, 6.0))),
      fleet(window(waiting=5.0, rate=4.0), verdict=MET), POLICY, (STAY, 2, "Steady", "")),
-    ("a window that overlaps the last reading kept is no new reading: a burst read twice is not growth",
+    ("no reading of the window that ended where this one began: overlapping windows are not weighed",
      ScaleState(queue=((NOW - 20, 6.0),)), fleet(window(waiting=30.0, rate=4.0), verdict=MET), POLICY,
      (STAY, 2, "Steady", "")),
     ("headroom, window not over", dataclasses.replace(LONG_AGO, headroom_since=NOW - 100),
@@ -196,16 +196,25 @@ def test_an_earlier_capacity_survives_a_scale_out_on_idle_batches():
     assert d.action == SCALE_OUT and d.state.capacity == 9.0
 
 
-@pytest.mark.parametrize("start, kept", [
-    (NOW - 60, True),  # starts where the last kept reading's window ended
-    (NOW - 63, True),  # a tick's jitter: within a tenth of the window
-    (NOW - 70, False),  # shares ten seconds of requests with it
+@pytest.mark.parametrize("start, before, grows", [
+    # readings every 10 s, windows of 60 s: this one (60 s from NOW - 60) is weighed against the one whose
+    # window ended where it began, NOW - 60, not against the last one (NOW - 10), which shares 50 s with it
+    (NOW - 60, ((NOW - 70, 2.0), (NOW - 60, 6.0), (NOW - 10, 9.0)), True),
+    (NOW - 60, ((NOW - 70, 2.0), (NOW - 60, 31.0), (NOW - 10, 1.0)), False),  # 31 -> 30: no growth
+    (NOW - 63, ((NOW - 60, 6.0), (NOW - 10, 9.0)), True),  # a tick's jitter: within a tenth of the window
+    (NOW - 70, ((NOW - 60, 6.0), (NOW - 10, 9.0)), False),  # shares ten seconds of requests with it
 ])
-def test_a_queue_reading_is_kept_only_when_its_window_follows_the_last_kept(start, kept):
-    before = ScaleState(queue=((NOW - 60, 6.0),))
-    obs = dataclasses.replace(window(waiting=8.0), start=start)
-    d = decide_scale(before, fleet(obs), POLICY, NOW)
-    assert d.state.queue == (((NOW - 60, 6.0), (NOW, 8.0)) if kept else ((NOW - 60, 6.0),))
+def test_growth_is_judged_against_the_window_that_ended_where_this_one_began(start, before, grows):
+    obs = dataclasses.replace(window(waiting=30.0, rate=4.0), start=start)
+    t = Tick(ScaleState(queue=before), fleet(obs, verdict=MET), POLICY, NOW)
+    assert (t.growth is not None) is grows, t.chain
+    assert t.s.queue == (*before, (NOW, 30.0))  # every reading is kept, for the ticks to come
+
+
+def test_readings_older_than_the_windows_it_weighs_are_dropped():
+    old = tuple((NOW - 10 * k, 1.0) for k in range(30, 0, -1))  # 300 s of readings, windows of 60 s
+    t = Tick(ScaleState(queue=old), fleet(window(), verdict=MET), POLICY, NOW)
+    assert t.s.queue[0][0] == NOW - 180 and t.s.queue[-1][0] == NOW
 
 
 def test_headroom_and_pressure_are_timed_from_their_first_window():

@@ -26,6 +26,7 @@ from typing import Any
 from iterserve.operator.tuning.actions import ROLLBACK
 from iterserve.operator.tuning.decision import Condition
 from iterserve.operator.tuning.observation import Observation
+from iterserve.operator.tuning.queue_trend import back_to_back, recent
 from iterserve.operator.tuning.reading import Reading
 
 SCALE_OUT, SCALE_IN, STAY = "scale_out", "scale_in", "stay"
@@ -41,7 +42,7 @@ class ScalePolicy:
     settle_s: float = 60.0  # after a change, a window measured entirely after it (the tuner's window)
     headroom_line: float = 0.8  # worst p99 / SLO under which the fleet has headroom (the tuner's line)
     margin: float = 0.2  # a scale-in must leave each pod under (1 - margin) of its capacity and batch cap
-    queue_windows: int = 2  # consecutive rising readings of the queue, windows apart, that count as growing...
+    queue_windows: int = 2  # rising readings of the queue, of back-to-back windows, that count as growing...
     queue_growth: float = 0.1  # ... when it grows by at least this share of the completion rate
     pod_start_s: float = 600.0  # how long pods added by a scale-out are waited for before adding more
     max_factor: float = 2.0  # one scale-out at most multiplies the fleet by this (or adds max_step pods)
@@ -111,20 +112,23 @@ class Tick:
 
     @cached_property
     def queue(self) -> tuple[tuple[float, float], ...]:
-        """The recent readings of the fleet's queue, this one included when its window does not overlap
-        the last one kept (within a tenth of a window: ticks jitter). A reading is a window's average:
-        windows that share requests share bursts, and a burst read twice would pass for growth."""
-        st, obs = self.state, self.fleet.obs
-        if obs is None or (st.queue and obs.start < st.queue[-1][0] - 0.1 * obs.window_s):
-            return st.queue
-        return (*st.queue, (self.now, obs.queued))[-self.policy.queue_windows:]
+        """The fleet's queue readings of the last few windows, this one included."""
+        obs = self.fleet.obs
+        return self.state.queue if obs is None else recent(self.state.queue, self.now, obs.queued, obs.window_s,
+                                                           self.policy.queue_windows)
+
+    @cached_property
+    def chain(self) -> tuple[tuple[float, float], ...]:
+        """The readings growth is judged on: this one and those of the windows back to back before it."""
+        obs = self.fleet.obs
+        return () if obs is None else back_to_back(self.queue, obs.start, obs.window_s, self.policy.queue_windows)
 
     @cached_property
     def growth(self) -> float | None:
-        """Requests added to the fleet's queue per second over the last `queue_windows` readings, when each
-        was higher than the one before, the last is at least half a request per pod and the growth is at
+        """Requests added to the fleet's queue per second over the `chain`, when it is `queue_windows` long,
+        each reading higher than the one before, the last at least half a request per pod and the growth at
         least `queue_growth` of the completions (arrivals outrun the fleet, not a noisy gauge); else None."""
-        q, p = self.queue, self.policy
+        q, p = self.chain, self.policy
         if (len(q) < p.queue_windows or any(b[1] <= a[1] for a, b in zip(q, q[1:], strict=False))
                 or q[-1][1] < max(1.0, 0.5 * self.n)):
             return None
@@ -333,7 +337,7 @@ def scale_out(t: Tick) -> ScaleDecision | None:
         drain = t.seen.queued / p.settle_s if p.settle_s > 0 else 0.0
         need = math.ceil(n * (rate + t.growth + drain) / rate) if rate > 0 else n + 1
         target = max(target, need)
-        why.append(f"the waiting queue grew {t.growth:.2f} requests/s over {p.queue_windows} readings "
+        why.append(f"the waiting queue grew {t.growth:.2f} requests/s over {p.queue_windows} back-to-back windows "
                    f"while {rate:.2f} requests/s finished")
     if t.exhausted:
         reading = f.reading
