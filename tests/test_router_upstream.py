@@ -104,6 +104,19 @@ def test_a_request_dropped_on_a_new_connection_is_not_sent_to_that_pod_again():
     assert "Traceback" not in out, out
 
 
+async def serve_metrics(handler):
+    """A stand-in pod's /metrics on a free loopback port: (its runner, to clean up; the port)."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
 @pytest.mark.parametrize(("slow_scrapes", "taken_out"), [(1, False), (2, False), (3, True)])
 def test_a_pod_leaves_routing_only_after_failure_threshold_slow_scrapes_in_a_row(slow_scrapes, taken_out):
     # the pod's /metrics answers after the scrape's timeout `slow_scrapes` times, then promptly
@@ -121,12 +134,7 @@ def test_a_pod_leaves_routing_only_after_failure_threshold_slow_scrapes_in_a_row
                 await asyncio.sleep(0.5)
             return web.Response(text="vllm:num_requests_waiting 0.0\n")
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, port = await serve_metrics(metrics)
         pods = PodSet(Discovery([f"http://127.0.0.1:{port}"]), timeout=0.2, failure_threshold=3)
         downs = []
         mark_down = pods.mark_down
@@ -155,12 +163,7 @@ def test_a_pod_discovery_drops_takes_no_new_requests_and_is_forgotten_once_its_r
         async def metrics(request):
             return web.Response(text="vllm:num_requests_waiting 0.0\n")
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, port = await serve_metrics(metrics)
         a, b = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
         discovery = Discovery([a, b])
         pods = PodSet(discovery, timeout=1.0)
