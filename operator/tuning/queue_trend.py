@@ -5,17 +5,18 @@ arrivals would be read twice and pass for growth."""
 
 from __future__ import annotations
 
-Reading = tuple[float, float]
+QueueReading = tuple[float, float]
 
 
-def recent(readings: tuple[Reading, ...], now: float, queued: float, window_s: float,
-           windows: int) -> tuple[Reading, ...]:
+def recent(readings: tuple[QueueReading, ...], now: float, queued: float, window_s: float,
+           windows: int) -> tuple[QueueReading, ...]:
     """The readings of the last `windows` + 1 windows (at most 64), this one (`now`, `queued`) added."""
     keep = (windows + 1) * window_s
     return (*[r for r in readings if r[0] >= now - keep][-63:], (now, queued))
 
 
-def back_to_back(readings: tuple[Reading, ...], start: float, window_s: float, windows: int) -> tuple[Reading, ...]:
+def back_to_back(readings: tuple[QueueReading, ...], start: float, window_s: float,
+                 windows: int) -> tuple[QueueReading, ...]:
     """Up to `windows` readings ending with the last one (whose window began at `start`), each of the
     window that ended where the next began, within a tenth of a window (ticks jitter); oldest first."""
     chain, edge = [readings[-1]], start
