@@ -112,6 +112,7 @@ class Knobs:
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
+INFERENCE_TIME = "vllm:request_inference_time_seconds"  # a request's time in the batch
 REQUESTS = "vllm:request_success_total"  # every finished request, summed over finished_reason
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"

@@ -110,6 +110,13 @@ def seqs(decisions):
      [HOLD, RAISE_CHUNK], [8, 8], "False"),
     ("the same with the batch cap binding: more seqs", [STALL_QUEUED, ONSET_QUEUED], [HOLD, RAISE_SEQS], [8, 10],
      "False"),
+    # the running gauge, read at a few scrapes, can fall between one request's end and the next's start
+    ("TTFT over, the gauge read the batch half full, Little's law full: the cap binds",
+     [dataclasses.replace(window(ttft=1300, itl=40, waiting=8, running=4), inference_time_mean_s=1.6)],
+     [RAISE_SEQS], [10], "False"),
+    ("the same with the time in the batch saying half full too: not the cap",
+     [dataclasses.replace(window(ttft=1300, itl=40, waiting=8, running=4), inference_time_mean_s=0.8)],
+     [RAISE_CHUNK], [8], "False"),
 ])
 def test_decision_table(name, windows, want_actions, want_seqs, want_tuned):
     decisions = run(windows)

@@ -50,6 +50,8 @@ class FakePodMetrics:
                              registry=r).labels(**lv)
         self.queue = Histogram("vllm:request_queue_time_seconds", "", list(lv), buckets=[0.5, 1, 5],
                                registry=r).labels(**lv)
+        self.in_batch = Histogram("vllm:request_inference_time_seconds", "", list(lv), buckets=[0.5, 1, 5],
+                                  registry=r).labels(**lv)
         success = Counter("vllm:request_success", "", list(lv) + ["finished_reason"], registry=r)
         self.stop = success.labels(**lv, finished_reason="stop")
         self.length = success.labels(**lv, finished_reason="length")
@@ -60,11 +62,12 @@ class FakePodMetrics:
         self.waiting = Gauge("vllm:num_requests_waiting", "", list(lv), registry=r).labels(**lv)
         self.kv = Gauge("vllm:kv_cache_usage_perc", "", list(lv), registry=r).labels(**lv)
 
-    def requests(self, n: int, ttft: float, itl: float, queue: float = 0.0) -> None:
+    def requests(self, n: int, ttft: float, itl: float, queue: float = 0.0, in_batch: float = 0.0) -> None:
         for i in range(n):
             self.ttft.observe(ttft)
             self.itl.observe(itl)
             self.queue.observe(queue)
+            self.in_batch.observe(in_batch)
             (self.stop if i % 2 else self.length).inc()
             self.tokens.inc(10)
 
@@ -78,7 +81,7 @@ def test_window_over_scrapes_of_one_pod():
     scrapes = [pod.scrape(0.0)]
     pod.waiting.set(4)
     pod.kv.set(0.5)
-    pod.requests(100, ttft=0.05, itl=0.02, queue=0.2)
+    pod.requests(100, ttft=0.05, itl=0.02, queue=0.2, in_batch=0.4)
     pod.preemptions.inc(3)
     scrapes.append(pod.scrape(10.0))
     pod.waiting.set(0)
@@ -91,6 +94,8 @@ def test_window_over_scrapes_of_one_pod():
     assert obs.preemption_rate == pytest.approx(0.15) and obs.error_rate == 0
     assert obs.waiting == pytest.approx(4 / 3) and obs.kv_usage == pytest.approx(0.8 / 3)  # gauges: scrape means
     assert obs.queue_time_mean_s == pytest.approx(0.2)
+    # no running gauge was set: the batch is known by Little's law, 5 requests/s x 0.4 s in the batch
+    assert obs.running == 0 and obs.inference_time_mean_s == pytest.approx(0.4) and obs.in_batch == pytest.approx(2)
 
 
 def test_errors_are_failed_steps_and_5xx_answers_not_429s():

@@ -59,7 +59,7 @@ def judge(p: PendingChange, r: Reading, obs: Observation, policy: TuningPolicy) 
 def cap_binds(k: Knobs, obs: Observation, policy: TuningPolicy) -> bool:
     """Requests wait while the batch is (nearly) full: max_num_seqs is what holds them back. Waiting alone
     is not enough: a request arriving mid-step waits for the next one even in a half-empty batch."""
-    full = obs.running >= policy.full_batch * k.max_num_seqs * max(1, obs.num_pods)
+    full = obs.in_batch >= policy.full_batch * k.max_num_seqs * max(1, obs.num_pods)
     return obs.queued >= policy.min_waiting and full
 
 

@@ -10,6 +10,7 @@ from typing import Protocol
 from iterserve.common.wire import (  # noqa: F401  (the tuner's readers import the names from here)
     GENERATION_TOKENS,
     HTTP_RESPONSES,
+    INFERENCE_TIME,
     ITL,
     KV_USAGE,
     PREEMPTIONS,
@@ -22,7 +23,7 @@ from iterserve.common.wire import (  # noqa: F401  (the tuner's readers import t
     WAITING,
 )
 
-HISTOGRAMS = (TTFT, ITL, QUEUE_TIME)
+HISTOGRAMS = (TTFT, ITL, QUEUE_TIME, INFERENCE_TIME)
 
 SERVER_ERRORS = "5xx"  # this module's name for the sum of HTTP_RESPONSES{code=~"5.."}
 COUNTERS = (REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, PREEMPTIONS, STEP_FAILURES, SERVER_ERRORS)
@@ -50,6 +51,7 @@ class Observation:
     # queue is full, which calls for more capacity, not a back-off)
     error_rate: float
     errors: tuple[str, ...] = ()  # pods that could not be read, with why
+    inference_time_mean_s: float | None = None  # mean time finished requests spent in the batch
 
     @classmethod
     def empty(cls, now: float, errors: Sequence[str] = ()) -> Observation:
@@ -67,6 +69,14 @@ class Observation:
         """Prefill tokens computed per finished request: the load's mix (long documents or short chats),
         which decides what a knob does; None when no request finished."""
         return self.prompt_token_rate / self.request_rate if self.request_rate > 0 else None
+
+    @property
+    def in_batch(self) -> float:
+        """Mean requests running: the gauge's average, or by Little's law (completion rate x mean time in
+        the batch) when that says more. The gauge, read at a few scrapes, can fall in the step between one
+        request's end and the next's start: at max_num_seqs 1 one such reading of two halves it."""
+        little = self.request_rate * self.inference_time_mean_s if self.inference_time_mean_s is not None else 0.0
+        return max(self.running, little)
 
     @property
     def queued(self) -> float:

@@ -28,6 +28,7 @@ from iterserve.operator.tuning.observation import (
     GENERATION_TOKENS,
     HISTOGRAMS,
     HTTP_RESPONSES,
+    INFERENCE_TIME,
     ITL,
     KV_USAGE,
     PREEMPTIONS,
@@ -130,7 +131,7 @@ def observation_from_scrapes(per_pod: dict[str, list[PodScrape]], now: float,
         return Observation.empty(now, errors)
     rates = dict.fromkeys(COUNTERS, 0.0)
     merged: dict[str, dict[float, float]] = {name: {} for name in HISTOGRAMS}
-    queue_sum = 0.0
+    queue_sum = inference_sum = 0.0
     waiting = running = kv = 0.0
     for scrapes in per_pod.values():
         d = pod_deltas(scrapes)
@@ -140,10 +141,12 @@ def observation_from_scrapes(per_pod: dict[str, list[PodScrape]], now: float,
         for name in HISTOGRAMS:
             add_buckets(merged[name], d.buckets.get(name, {}))
         queue_sum += d.sums.get(QUEUE_TIME, 0.0)
+        inference_sum += d.sums.get(INFERENCE_TIME, 0.0)
         waiting += _mean(s.gauges.get(WAITING, 0.0) for s in scrapes)
         running += _mean(s.gauges.get(RUNNING, 0.0) for s in scrapes)
         kv = max(kv, _mean(s.gauges.get(KV_USAGE, 0.0) for s in scrapes))
     queue_count = merged[QUEUE_TIME].get(math.inf, 0.0)
+    inference_count = merged[INFERENCE_TIME].get(math.inf, 0.0)
     return Observation(
         start=min(s[0].t for s in per_pod.values()), end=max(s[-1].t for s in per_pod.values()),
         num_pods=len(per_pod), num_samples=round(merged[TTFT].get(math.inf, 0.0)),
@@ -152,7 +155,7 @@ def observation_from_scrapes(per_pod: dict[str, list[PodScrape]], now: float,
         generation_token_rate=rates[GENERATION_TOKENS], waiting=waiting, running=running,
         queue_time_mean_s=queue_sum / queue_count if queue_count else None, kv_usage=kv,
         preemption_rate=rates[PREEMPTIONS], error_rate=rates[STEP_FAILURES] + rates[SERVER_ERRORS],
-        errors=tuple(errors))
+        errors=tuple(errors), inference_time_mean_s=inference_sum / inference_count if inference_count else None)
 
 
 def _mean(values) -> float:

@@ -19,6 +19,7 @@ import httpx
 from iterserve.operator.tuning.observation import (
     GENERATION_TOKENS,
     HTTP_RESPONSES,
+    INFERENCE_TIME,
     ITL,
     KV_USAGE,
     PREEMPTIONS,
@@ -65,6 +66,8 @@ def promql_queries(sel: str, window: str) -> dict[str, str]:
                       f"(sum(rate({HTTP_RESPONSES}{{{sel},code=~\"5..\"}}[{window}])) or vector(0))",
         "queue_time_mean_s": f"sum(rate({QUEUE_TIME}_sum{{{sel}}}[{window}])) / "
                              f"sum(rate({QUEUE_TIME}_count{{{sel}}}[{window}]))",
+        "inference_time_mean_s": f"sum(rate({INFERENCE_TIME}_sum{{{sel}}}[{window}])) / "
+                                 f"sum(rate({INFERENCE_TIME}_count{{{sel}}}[{window}]))",
         "waiting": f"sum(avg_over_time({WAITING}{{{sel}}}[{window}]))",
         "running": f"sum(avg_over_time({RUNNING}{{{sel}}}[{window}]))",
         "kv_usage": f"max(avg_over_time({KV_USAGE}{{{sel}}}[{window}]))",
@@ -103,7 +106,8 @@ class PrometheusSource:
             ttft_p99_s=values["ttft_p99_s"], itl_p99_s=values["itl_p99_s"], request_rate=zero("request_rate"),
             prompt_token_rate=zero("prompt_token_rate"), generation_token_rate=zero("generation_token_rate"),
             waiting=zero("waiting"), running=zero("running"), queue_time_mean_s=values["queue_time_mean_s"],
-            kv_usage=zero("kv_usage"), preemption_rate=zero("preemption_rate"), error_rate=zero("error_rate"))
+            kv_usage=zero("kv_usage"), preemption_rate=zero("preemption_rate"), error_rate=zero("error_rate"),
+            inference_time_mean_s=values["inference_time_mean_s"])
 
     def query_scalar(self, query: str) -> float | None:
         """The single value of an instant query; None for an empty vector or NaN."""

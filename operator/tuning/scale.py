@@ -184,7 +184,7 @@ class Tick:
         (round-robin leaves a step's excess on the pod that took it), is not: learned as capacity, that
         rate would keep the fleet from shrinking to what the load needs."""
         obs, cap = self.fleet.obs, self.fleet.batch_cap
-        return obs is None or not cap or obs.running >= self.policy.full_batch * cap * max(obs.num_pods, 1)
+        return obs is None or not cap or obs.in_batch >= self.policy.full_batch * cap * max(obs.num_pods, 1)
 
     @cached_property
     def s(self) -> ScaleState:
