@@ -209,7 +209,7 @@ def raise_seqs_with_headroom(w: Window) -> Decision:
     elif obs.kv_usage >= policy.kv_pressure:
         why = f"SLO met; KV usage {obs.kv_usage:.0%} at or above the {policy.kv_pressure:.0%} pressure threshold"
     elif not cap_binds(knobs, obs, policy):
-        why = (f"SLO met; {obs.running:.1f} running and {obs.queued:.1f} waiting on average: the batch cap "
+        why = (f"SLO met; {obs.in_batch:.1f} running and {obs.queued:.1f} waiting on average: the batch cap "
                f"does not hold requests back, so a larger one would not help")
     elif target == knobs:
         why = "SLO met with headroom; max_num_seqs at its upper bound"

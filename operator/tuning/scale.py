@@ -133,8 +133,7 @@ class Tick:
                 or q[-1][1] < max(1.0, 0.5 * self.n)):
             return None
         growth = (q[-1][1] - q[0][1]) / max(q[-1][0] - q[0][0], 1e-9)
-        rate = self.fleet.obs.request_rate if self.fleet.obs is not None else 0.0
-        return growth if growth >= p.queue_growth * rate else None
+        return growth if growth >= p.queue_growth * self.seen.request_rate else None  # a chain needs a window
 
     @cached_property
     def drain(self) -> tuple[float, float] | None:
