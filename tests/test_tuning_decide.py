@@ -140,6 +140,9 @@ def test_back_off_halves_the_batch_that_ran_not_an_unfilled_cap():
     # per pod: 12 running over 3 pods is 4 each
     spread = dataclasses.replace(window(ttft=3000, itl=400, running=12), num_pods=3)
     assert seqs(run([spread], state=start)) == [2]
+    # the batch by Little's law when the gauge, read between two requests, says less: 5/s x 1.6 s = 8 ran
+    little = dataclasses.replace(window(preempt=1.0, running=3), inference_time_mean_s=1.6)
+    assert seqs(run([little], state=start)) == [4]
 
 
 def test_itl_breach_with_ttft_headroom_lowers_chunk_then_backs_off_at_its_bound():

@@ -27,8 +27,10 @@ def clamp(knobs: Knobs, policy: TuningPolicy) -> Knobs:
 def back_off_seqs(k: Knobs, obs: Observation, policy: TuningPolicy) -> tuple[str, Knobs]:
     """A multiplicative decrease of the batch that actually ran (per pod, the window's mean rounded up),
     not of a cap it never filled: as TCP halves its flight size rather than a window it did not use.
-    Halving a cap of 64 that 6 requests run under changes nothing and would only cost a cooldown."""
-    ran = math.ceil(obs.running / max(1, obs.num_pods)) if obs.running > 0 else k.max_num_seqs
+    Halving a cap of 64 that 6 requests run under changes nothing and would only cost a cooldown. The batch
+    is `in_batch` (the gauge's mean or Little's law, the larger): a gauge read between two requests halves
+    a batch that was not there."""
+    ran = math.ceil(obs.in_batch / max(1, obs.num_pods)) if obs.in_batch > 0 else k.max_num_seqs
     lower = policy.max_num_seqs_bounds.clamp(math.floor(min(k.max_num_seqs, ran) * policy.backoff_factor))
     return BACK_OFF_SEQS, k.replace(max_num_seqs=lower)  # never above k: the bounds rule keeps k inside
 

@@ -375,7 +375,7 @@ def scale_in(t: Tick) -> ScaleDecision | None:
     if s.capacity is None and s.proven is not None and rate > s.proven / fit:
         return t.stay(f"headroom, but {rate:.2f} requests/s per pod over {fewer} is more than "
                       f"{1 / fit:.0%} of the {s.proven:.2f} a pod has been seen to carry within the SLO")
-    busy = (t.seen.running + t.seen.queued) / (n - 1)
+    busy = (t.seen.in_batch + t.seen.queued) / (n - 1)
     if f.batch_cap and busy > fit * f.batch_cap:
         return t.stay(f"headroom, but {busy:.1f} requests in flight per pod over {fewer} would pass "
                       f"{fit:.0%} of max_num_seqs {f.batch_cap}")
