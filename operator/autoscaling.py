@@ -67,7 +67,7 @@ def scale_policy(svc: LLMService, tuning: TuningPolicy) -> ScalePolicy:
     return ScalePolicy(min_replicas=a.min_replicas, max_replicas=a.max_replicas,
                        scale_up_window_s=float(a.scale_up_stabilization_seconds),
                        scale_down_window_s=float(a.scale_down_stabilization_seconds),
-                       settle_s=tuning.window_s, headroom_line=tuning.headroom_line)
+                       settle_s=tuning.window_s, window_s=tuning.window_s, headroom_line=tuning.headroom_line)
 
 
 def fleet_of(record: TuningRecord, tuning: TuningPolicy, replicas: int, ready: int,

@@ -215,6 +215,19 @@ def test_growth_is_judged_against_the_window_that_ended_where_this_one_began(sta
     assert t.s.queue == (*before, (NOW, 30.0))  # every reading is kept, for the ticks to come
 
 
+@pytest.mark.parametrize("length, grows", [(60, True), (30, True), (25, False), (10, False)])
+def test_a_window_under_half_the_tuners_is_not_weighed_for_growth(length, grows):
+    """At a load's start (and after a knob change) the tuner's window is short: a queue that rose from
+    empty over its first seconds is not growth, and its reading is not kept for the ticks to come."""
+    before = ((NOW - length - 60, 0.2), (NOW - length, 0.5))
+    obs = dataclasses.replace(window(waiting=6.0, rate=0.5), start=NOW - length)
+    t = Tick(ScaleState(queue=before), fleet(obs, replicas=1, verdict=MET), POLICY, NOW)
+    assert (t.growth is not None) is grows, t.chain
+    assert (t.s.queue[-1] == (NOW, 6.0)) is grows
+    d = decide_scale(ScaleState(queue=before), fleet(obs, replicas=1, verdict=MET), POLICY, NOW)
+    assert d.action == (SCALE_OUT if grows else STAY), d.reason
+
+
 def test_readings_older_than_the_windows_it_weighs_are_dropped():
     old = tuple((NOW - 10 * k, 1.0) for k in range(30, 0, -1))  # 300 s of readings, windows of 60 s
     t = Tick(ScaleState(queue=old), fleet(window(), verdict=MET), POLICY, NOW)

@@ -40,6 +40,7 @@ class ScalePolicy:
     scale_up_window_s: float = 0.0  # pressure must last this long before pods are added
     scale_down_window_s: float = 300.0  # headroom must last this long before a pod is removed
     settle_s: float = 60.0  # after a change, a window measured entirely after it (the tuner's window)
+    window_s: float = 60.0  # the tuner's window: a queue reading of under half of it is not weighed for growth
     headroom_line: float = 0.8  # worst p99 / SLO under which the fleet has headroom (the tuner's line)
     margin: float = 0.2  # a scale-in must leave each pod under (1 - margin) of its capacity and batch cap
     queue_windows: int = 2  # rising readings of the queue, of back-to-back windows, that count as growing...
@@ -111,17 +112,28 @@ class Tick:
         return self.fleet.obs
 
     @cached_property
-    def queue(self) -> tuple[tuple[float, float], ...]:
-        """The fleet's queue readings of the last few windows, this one included."""
+    def partial(self) -> bool:
+        """The window is under half the tuner's (it starts afresh at a knob change and when the pods are
+        first read): a queue averaged over a few seconds is a handful of arrivals, and over a load's first
+        seconds it rises from empty as the pipeline fills, which is not growth."""
         obs = self.fleet.obs
-        return self.state.queue if obs is None else recent(self.state.queue, self.now, obs.queued, obs.window_s,
-                                                           self.policy.queue_windows)
+        return obs is not None and obs.window_s < 0.5 * self.policy.window_s
+
+    @cached_property
+    def queue(self) -> tuple[tuple[float, float], ...]:
+        """The fleet's queue readings of the last few windows, this one included unless `partial`."""
+        obs = self.fleet.obs
+        if obs is None or self.partial:
+            return self.state.queue
+        return recent(self.state.queue, self.now, obs.queued, obs.window_s, self.policy.queue_windows)
 
     @cached_property
     def chain(self) -> tuple[tuple[float, float], ...]:
         """The readings growth is judged on: this one and those of the windows back to back before it."""
         obs = self.fleet.obs
-        return () if obs is None else back_to_back(self.queue, obs.start, obs.window_s, self.policy.queue_windows)
+        if obs is None or self.partial:
+            return ()
+        return back_to_back(self.queue, obs.start, obs.window_s, self.policy.queue_windows)
 
     @cached_property
     def growth(self) -> float | None:
