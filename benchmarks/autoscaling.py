@@ -49,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim  # noqa: E402
 from iterserve.common.wire import Knobs  # noqa: E402
-from iterserve.operator.tuning.decide import Decision, TunerState, decide  # noqa: E402
+from iterserve.operator.tuning.decide import HOLD, Decision, TunerState, decide  # noqa: E402
+from iterserve.operator.tuning.decision import stay  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.policy import TuningPolicy  # noqa: E402
 from iterserve.operator.tuning.reading import read  # noqa: E402
@@ -118,6 +119,8 @@ class Hpa:
 
 
 ScaleFn = Callable[[ScaleState, Fleet, ScalePolicy, float], ScaleDecision]
+# why the tuner should hold its knobs this tick, from the scaler's state, the replicas asked for and ready
+HoldFn = Callable[[ScaleState, int, int, ScalePolicy, float], "str | None"]
 
 
 class Probe(Protocol):
@@ -131,16 +134,19 @@ class Probe(Protocol):
 
 def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float = 60.0,
              routing: str = "round-robin", fleet_p99: str = "merged", max_replicas: int | None = None,
-             probe: Probe | None = None, min_replicas: int = 1, scaler: ScaleFn = decide_scale) -> Run:
+             probe: Probe | None = None, min_replicas: int = 1, scaler: ScaleFn = decide_scale,
+             tuner_hold: HoldFn | None = None) -> Run:
     """One run; `min_replicas` and `max_replicas` (default 1 and 2F) bound the autoscaler and the HPA alike;
-    `scaler` is the autoscaler's decision (the product's, or a variant benchmarks/autoscaling_whatif.py tries)."""
+    `scaler` is the autoscaler's decision (the product's, or a variant benchmarks/autoscaling_whatif.py tries);
+    `tuner_hold`, a variant the product does not have: the tuner's moves are held back (preemptions
+    excepted) on the ticks it gives a reason for."""
     rates = load(fleet)
     first = max(min_replicas, math.ceil(rates[0][0] / (CAPACITY * 0.9)))  # spec.replicas, clamped into the range
     sim, run = FleetSim(first, seed, start_s, routing, fleet_p99), Run()
     tuner = TunerState(START)
     scaler_state = ScaleState()
     hi = 2 * fleet if max_replicas is None else max_replicas
-    scale_policy = ScalePolicy(min_replicas=min_replicas, max_replicas=hi, settle_s=TICK_S,
+    scale_policy = ScalePolicy(min_replicas=min_replicas, max_replicas=hi, settle_s=TICK_S, window_s=TICK_S,
                                headroom_line=POLICY.headroom_line)
     hpa = Hpa(threshold, min_replicas, hi)
     t = 0.0
@@ -156,6 +162,9 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
         run.replica_s += replicas * TICK_S
         run.replicas.append(replicas)
         d = decide(tuner, obs, POLICY, t)
+        if tuner_hold is not None and controller == "replicas" and d.action != HOLD and r.trouble is None and \
+                (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t)) is not None:
+            d = stay(tuner, t, why, None, tuner.tuned)
         tuner = d.state
         s = None
         if controller == "replicas":

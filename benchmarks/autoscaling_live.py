@@ -90,7 +90,8 @@ class Setup:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # no abbreviations: `--out` (benchmarks/autoscaling.py's flag) would be taken for `--output`
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--controllers", default="knobs,replicas,router,hpa-1,hpa-4",
                    help="comma-separated: knobs, replicas, router, hpa-T (T: mean requests waiting per pod)")
     p.add_argument("--rounds", type=int, default=1)

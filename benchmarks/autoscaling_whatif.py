@@ -13,6 +13,9 @@ Cases (knobs + replicas unless named; medians over seeds):
 - `pods ready in half the time`, `maxReplicas 2F+1`, `3F`, `4F`, `minReplicas 2`: the cluster or the
   user's range;
 - `pod more on waiting queue`: the autoscaler with a rule tried and not adopted (`out_on_waiting`);
+- `tuner holds while scaling`: the tuner moves no knob (preemptions excepted) while pods a scale-out
+  added are starting and for a window after the fleet last changed (`tuner_holds_while_scaling`), tried
+  and not adopted;
 - `least-load`: behind spec.router instead of the routing given.
 The trace prints, per tick: the load and the completions (requests/s), the replicas asked for and
 ready, each pod's backlog (requests queued beyond its steady state: where round-robin leaves a step's
@@ -110,6 +113,22 @@ def out_on_waiting(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: fl
                    f"and the tuner holds its knobs", capacity=t.per_pod_rate or None)
 
 
+def tuner_holds_while_scaling(state: ScaleState, replicas: int, ready: int, policy: ScalePolicy,
+                              now: float) -> str | None:
+    """A rule tried for the tuner and not adopted (docs/benchmarks-autoscaling.md): while the replicas change
+    under it, its window holds the fleet before the change, so it holds its knobs until a window holds
+    only the new fleet (the scaler's own `settling`). The reason, or None when the fleet is not changing."""
+    last = state.last_scale_time
+    if last is None:
+        return None
+    if state.starting and ready < replicas:
+        starting = state.last_direction == SCALE_OUT and now - last < policy.pod_start_s
+        return f"pods the autoscaler added are starting ({ready}/{replicas} ready)" if starting else None
+    whole = now if state.starting else (state.whole_since or last)  # all ready now, the scaler not yet told
+    left = policy.settle_s - (now - max(last, whole))
+    return f"the window still holds the fleet before the last change ({left:.0f} s left)" if left > 0 else None
+
+
 def cases(fleet: int, routing: str, start_s: float) -> dict[str, dict]:
     """Each case's keyword arguments to `simulate` (`asks`: an `Asks` probe)."""
     hi = 2 * fleet
@@ -124,9 +143,11 @@ def cases(fleet: int, routing: str, start_s: float) -> dict[str, dict]:
         "maxReplicas 4F": {"max_replicas": 4 * fleet},
         "minReplicas 2": {"min_replicas": 2},
         "pod more on waiting queue": {"scaler": out_on_waiting},
+        "tuner holds while scaling": {"tuner_hold": tuner_holds_while_scaling},
         "least-load": {"routing": "least-load"},
     } if routing != "least-load" else {"as is": {}, "foresight": {"asks": Asks(PEAK_TICK, hi)},
-                                       "pod more on waiting queue": {"scaler": out_on_waiting}}
+                                       "pod more on waiting queue": {"scaler": out_on_waiting},
+                                       "tuner holds while scaling": {"tuner_hold": tuner_holds_while_scaling}}
 
 
 def run_case(fleet: int, seed: int, routing: str, start_s: float, kw: dict, trace: Trace | None = None) -> Run:

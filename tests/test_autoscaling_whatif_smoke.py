@@ -2,11 +2,16 @@
 docs/benchmarks-autoscaling.md states holds in the model: at F = 2 behind round-robin, even maxReplicas
 asked for at the peak's first instant leaves windows over the SLO after convergence (the backlog one pod
 takes before its peers are ready stays on it), where pods ready before the peak, or least-load routing,
-leave none. One seed; the simulation is deterministic per seed."""
+leave none; the tuner held while the fleet changes (tried, not adopted) moves no knob while pods start.
+One seed; the simulation is deterministic per seed."""
 
 from __future__ import annotations
 
-from benchmarks.autoscaling_whatif import PEAK_TICK, cases, main, missed, run_case
+import pytest
+
+from benchmarks.autoscaling_whatif import PEAK_TICK, cases, main, missed, run_case, tuner_holds_while_scaling
+from iterserve.operator.tuning.actions import HOLD
+from iterserve.operator.tuning.scale import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
 
 
 def test_the_asks_resize_before_any_window_shows_the_peak():
@@ -29,3 +34,50 @@ def test_the_trace_prints_each_tick_asked_for(capsys):
     assert len(lines) == 6 and lines[0].startswith("tick")
     assert "1 -> 4 replicas" in lines[2] and " 1/1 " in lines[2] and "no*" in lines[2]
     assert "4/1" in lines[3]  # asked for, not yet ready
+
+
+class Decisions:
+    """Records each tick's tuner decision and the replicas asked for and ready before it."""
+
+    def __init__(self):
+        self.ticks = []
+
+    def before(self, tick, sim, t):
+        pass
+
+    def after(self, tick, sim, obs, met, tuner, scaled):
+        self.ticks.append((len(sim.pods), sim.ready(obs.end), tuner))
+
+
+def test_the_tuner_held_while_scaling_moves_no_knob_while_pods_start():
+    held, free = Decisions(), Decisions()
+    table = cases(8, "round-robin", 60.0)
+    run_case(8, 0, "round-robin", 60.0, table["tuner holds while scaling"], held)
+    run_case(8, 0, "round-robin", 60.0, table["as is"], free)
+    starting = [d for n, ready, d in held.ticks if ready < n]
+    assert starting and all(d.action == HOLD and "starting" in d.reason for d in starting)
+    assert any(d.action != HOLD for n, ready, d in free.ticks if ready < n)  # as is, the tuner moves then
+
+
+# title, scaler state, (replicas, ready), words in the reason (None: no hold)
+HOLD_ROWS = [
+    ("the autoscaler never moved", ScaleState(), (2, 1), None),
+    ("pods a scale-out added are starting", ScaleState(last_scale_time=80.0, last_direction=SCALE_OUT, starting=True),
+     (2, 1), "starting (1/2 ready)"),
+    ("all ready now, the scaler not told yet: a window from now",
+     ScaleState(last_scale_time=80.0, last_direction=SCALE_OUT, starting=True), (2, 2), "(60 s left)"),
+    ("ready 30 s ago", ScaleState(last_scale_time=55.0, last_direction=SCALE_OUT, whole_since=70.0), (2, 2),
+     "(30 s left)"),
+    ("ready a window ago", ScaleState(last_scale_time=0.0, last_direction=SCALE_OUT, whole_since=40.0), (2, 2),
+     None),
+    ("pods that never started are not waited for past pod_start_s",
+     ScaleState(last_scale_time=-600.0, last_direction=SCALE_OUT, starting=True), (2, 1), None),
+    ("a scale-in: a window after it", ScaleState(last_scale_time=90.0, last_direction=SCALE_IN, whole_since=0.0),
+     (1, 1), "(50 s left)"),
+]
+
+
+@pytest.mark.parametrize("title, state, seen, words", HOLD_ROWS, ids=[r[0] for r in HOLD_ROWS])
+def test_when_the_tried_hold_holds(title, state, seen, words):
+    why = tuner_holds_while_scaling(state, *seen, ScalePolicy(min_replicas=1, max_replicas=8, settle_s=60), 100.0)
+    assert why is None if words is None else (why is not None and words in why), why
