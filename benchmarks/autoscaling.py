@@ -51,6 +51,7 @@ from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim  # noqa: E402
 from iterserve.common.wire import Knobs  # noqa: E402
 from iterserve.operator.tuning.decide import HOLD, Decision, TunerState, decide  # noqa: E402
 from iterserve.operator.tuning.decision import stay  # noqa: E402
+from iterserve.operator.tuning.fleet_change import scale_out_in_flight  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.policy import TuningPolicy  # noqa: E402
 from iterserve.operator.tuning.reading import read  # noqa: E402
@@ -119,8 +120,9 @@ class Hpa:
 
 
 ScaleFn = Callable[[ScaleState, Fleet, ScalePolicy, float], ScaleDecision]
-# why the tuner should hold its knobs this tick, from the scaler's state, the replicas asked for and ready
-HoldFn = Callable[[ScaleState, int, int, ScalePolicy, float], "str | None"]
+# why the tuner's move should be held this tick, from the scaler's state, the replicas asked for and ready,
+# and the move (the tuner's decision)
+HoldFn = Callable[[ScaleState, int, int, ScalePolicy, float, Decision], "str | None"]
 
 
 class Probe(Protocol):
@@ -161,9 +163,12 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
         run.settled.append(settled)
         run.replica_s += replicas * TICK_S
         run.replicas.append(replicas)
-        d = decide(tuner, obs, POLICY, t)
+        # the tuner is told of a scale-out in flight, as in the operator
+        in_flight = scale_out_in_flight(scaler_state, replicas, sim.ready(t), scale_policy, t) \
+            if controller == "replicas" else None
+        d = decide(tuner, obs, POLICY, t, in_flight)
         if tuner_hold is not None and controller == "replicas" and d.action != HOLD and r.trouble is None and \
-                (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t)) is not None:
+                (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t, d)) is not None:
             d = stay(tuner, t, why, None, tuner.tuned)
         tuner = d.state
         s = None

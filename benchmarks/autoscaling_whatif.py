@@ -15,7 +15,7 @@ Cases (knobs + replicas unless named; medians over seeds):
 - `pod more on waiting queue`: the autoscaler with a rule tried and not adopted (`out_on_waiting`);
 - `tuner holds while scaling`: the tuner moves no knob (preemptions excepted) while pods a scale-out
   added are starting and for a window after the fleet last changed (`tuner_holds_while_scaling`), tried
-  and not adopted;
+  and not adopted (the product holds back a back-off of max_num_seqs only: operator/tuning/fleet_change.py);
 - `least-load`: behind spec.router instead of the routing given.
 The trace prints, per tick: the load and the completions (requests/s), the replicas asked for and
 ready, each pod's backlog (requests queued beyond its steady state: where round-robin leaves a step's
@@ -38,8 +38,10 @@ from benchmarks.autoscaling import PHASES, TICK_S, Run, load, simulate  # noqa: 
 from benchmarks.fleet_sim import ROUTINGS, FleetSim  # noqa: E402
 from iterserve.operator.tuning.actions import HOLD  # noqa: E402
 from iterserve.operator.tuning.decision import Decision  # noqa: E402
+from iterserve.operator.tuning.fleet_change import scale_out_in_flight  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.scale import (  # noqa: E402
+    SCALE_IN,
     SCALE_OUT,
     SCALE_RULES,
     Fleet,
@@ -114,19 +116,16 @@ def out_on_waiting(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: fl
 
 
 def tuner_holds_while_scaling(state: ScaleState, replicas: int, ready: int, policy: ScalePolicy,
-                              now: float) -> str | None:
+                              now: float, move: Decision | None = None) -> str | None:
     """A rule tried for the tuner and not adopted (docs/benchmarks-autoscaling.md): while the replicas change
-    under it, its window holds the fleet before the change, so it holds its knobs until a window holds
-    only the new fleet (the scaler's own `settling`). The reason, or None when the fleet is not changing."""
+    under it, its window holds the fleet before the change, so it holds every move until a window holds
+    only the new fleet (the scaler's own `settling`), after a scale-in too. The reason, or None."""
+    if (why := scale_out_in_flight(state, replicas, ready, policy, now)) is not None:
+        return why
     last = state.last_scale_time
-    if last is None:
+    if state.last_direction != SCALE_IN or last is None or now - last >= policy.settle_s:
         return None
-    if state.starting and ready < replicas:
-        starting = state.last_direction == SCALE_OUT and now - last < policy.pod_start_s
-        return f"pods the autoscaler added are starting ({ready}/{replicas} ready)" if starting else None
-    whole = now if state.starting else (state.whole_since or last)  # all ready now, the scaler not yet told
-    left = policy.settle_s - (now - max(last, whole))
-    return f"the window still holds the fleet before the last change ({left:.0f} s left)" if left > 0 else None
+    return f"the fleet is settling after the last scale-in ({policy.settle_s - (now - last):.0f} s left)"
 
 
 def cases(fleet: int, routing: str, start_s: float) -> dict[str, dict]:

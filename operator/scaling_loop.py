@@ -12,6 +12,7 @@ condition into or out of trouble.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from iterserve.operator.autoscaling import HPA_API, autoscaled_replicas, conflic
 from iterserve.operator.conditions import AUTOSCALING, set_condition
 from iterserve.operator.kube import Kube
 from iterserve.operator.spec import LLMService
+from iterserve.operator.tuning.fleet_change import scale_out_in_flight
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.scale import SCALE_OUT, STAY, ScaleDecision, ScaleState, decide_scale
 from iterserve.operator.tuning.tuner import TuningRecord, rfc3339
@@ -43,6 +45,19 @@ def status_fields(decision: ScaleDecision, before: int, now: float) -> dict:
     return fields
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """The replicas the autoscaler has asked for and the Deployment's ready pods, read once a tick."""
+
+    desired: int
+    ready: int
+
+
+def replicas_of(kube: Kube, svc: LLMService, status: dict | None) -> Replicas:
+    deployment = kube.get("apps/v1", "Deployment", svc.namespace, svc.name) or {}
+    return Replicas(autoscaled_replicas(svc, status), (deployment.get("status") or {}).get("readyReplicas") or 0)
+
+
 @dataclass
 class Autoscaler:
     """One service's scaler state and the condition last announced."""
@@ -50,13 +65,17 @@ class Autoscaler:
     state: ScaleState = field(default_factory=ScaleState)
     said: tuple[str, str] | None = None
 
-    def tick(self, kube: Kube, svc: LLMService, status: dict | None, record: TuningRecord,
+    def scale_out_in_flight(self, svc: LLMService, seen: Replicas, tuning: TuningPolicy,
+                            now: float | None = None) -> str | None:
+        """What this scaler's last scale-out waits for, told to the tuner before its tick; None: nothing."""
+        return scale_out_in_flight(self.state, seen.desired, seen.ready, scale_policy(svc, tuning),
+                                   time.time() if now is None else now)
+
+    def tick(self, kube: Kube, svc: LLMService, seen: Replicas, record: TuningRecord,
              tuning: TuningPolicy) -> list[dict]:
         """Decide, write the status and, on a change, reconcile; returns the Events to emit."""
         ns, name, now = svc.namespace, svc.name, record.time
-        replicas = autoscaled_replicas(svc, status)
-        deployment = kube.get("apps/v1", "Deployment", ns, name) or {}
-        ready = (deployment.get("status") or {}).get("readyReplicas") or 0
+        replicas, ready = seen.desired, seen.ready
         conflicts = conflicting_hpas(kube.list(HPA_API, "HorizontalPodAutoscaler", ns), svc)
         decision = decide_scale(self.state, fleet_of(record, tuning, replicas, ready, conflicts),
                                 scale_policy(svc, tuning), now)

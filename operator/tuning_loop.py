@@ -36,7 +36,7 @@ from iterserve.operator.conditions import TUNED, get_condition
 from iterserve.operator.controller import object_lock, write_tuning_status
 from iterserve.operator.kube import Kube
 from iterserve.operator.reconcile import pod_admin_url, pod_url, ready_pods, set_tuned_knobs, short_error
-from iterserve.operator.scaling_loop import Autoscaler
+from iterserve.operator.scaling_loop import Autoscaler, replicas_of
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import TUNING_OFF_MESSAGE
 from iterserve.operator.tuning.decide import HOLD
@@ -177,14 +177,18 @@ class TuningLoop:
                 return None, []  # not created yet: the reconcile is on it
             in_force = Knobs.from_dict(knobs)
             tuner = self._tuner(svc, policy, in_force, token)
-            record = tuner.tick()
-            if not write_tuning_status(self.kube, ns, name, record.status(), record.condition()):
-                return None, []  # deleted meanwhile
+            seen, scale_out = None, None
             if svc.autoscaling is None:
                 self.autoscaler = Autoscaler()  # turned off: a later spec.autoscaling starts afresh
+            else:  # desiredReplicas is the autoscaler's alone: read before the tuner's status write, it holds
+                seen = replicas_of(self.kube, svc, (self.kube.get_llmservice(ns, name) or {}).get("status"))
+                scale_out = self.autoscaler.scale_out_in_flight(svc, seen, policy)
+            record = tuner.tick(scale_out=scale_out)
+            if not write_tuning_status(self.kube, ns, name, record.status(), record.condition()):
+                return None, []  # deleted meanwhile
+            if seen is None:
                 return record, []
-            current = self.kube.get_llmservice(ns, name)
-            return record, self.autoscaler.tick(self.kube, svc, (current or {}).get("status"), record, policy)
+            return record, self.autoscaler.tick(self.kube, svc, seen, record, policy)
 
     def _tuner(self, svc: LLMService, policy: TuningPolicy, in_force: Knobs, token: str) -> Tuner:
         """The Tuner, created on the first tick, brought up to date with the spec and the knobs in force."""

@@ -48,8 +48,10 @@ class Window:
     reading (only after `too_few_samples` made sure there is an observation) and the state with this
     window's bookkeeping (recent breaches, the rollback point) that every later decision carries on."""
 
-    def __init__(self, state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float):
+    def __init__(self, state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float,
+                 scale_out: str | None = None):
         self.state, self.obs, self.policy, self.now = state, obs, policy, now
+        self.scale_out = scale_out  # what a scale-out in flight waits for (fleet_change.py), or None
 
     @property
     def seen(self) -> Observation:
@@ -167,7 +169,8 @@ def cure_breach(w: Window) -> Decision | None:
     its own), or at once when severe, or when TTFT is over with decodes absent or cheap (the cure then
     costs them nothing that matters, and a wrong one is judged in the next window). An unconfirmed breach
     moves nothing, so one noisy window cannot toggle a knob; `corrections.corrections` picks the cure for
-    the p99 that is over."""
+    the p99 that is over. While pods a scale-out added come up (`scale_out`), that cure is not a back-off
+    of max_num_seqs (fleet_change.py)."""
     s, r, policy, state = w.s, w.r, w.policy, w.state
     if r.met:
         return None
@@ -182,6 +185,12 @@ def cure_breach(w: Window) -> Decision | None:
         tuned = state.tuned if state.tuned.status == "True" else breached(r, state.tuned)
         return stay(s, w.now, f"{', '.join(over)}, {policy.confirm_breaches} needed to act; {r.text}", False, tuned)
     moves = corrections(state.knobs, w.seen, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
+    if w.scale_out is not None and any(action == BACK_OFF_SEQS for action, _ in moves):
+        # fewer places would cut what the pods carry as the fleet grows to carry more (fleet_change.py)
+        moves = [m for m in moves if m[0] != BACK_OFF_SEQS]
+        if not [m for m in moves if m[1] != state.knobs]:
+            return stay(s, w.now, f"SLO breached, but {w.scale_out}: max_num_seqs is not backed off while "
+                        f"they come up; {r.text}", False, breached(r, state.tuned))
     return correct(s, policy, w.now, r, moves, "SLO breached")
 
 
@@ -232,8 +241,10 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float) -> Decision:
-    w = Window(state, obs, policy, now)
+def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float,
+           scale_out: str | None = None) -> Decision:
+    """`scale_out`: what a scale-out in flight waits for (`fleet_change.scale_out_in_flight`), or None."""
+    w = Window(state, obs, policy, now, scale_out)
     for rule in RULES:
         if (decision := rule(w)) is not None:
             return decision

@@ -116,7 +116,8 @@ class Tuner:
                                          recent_knobs=(), previous_action=None, chunk_before_cheap_raise=None)
         self.synced.clear()
 
-    def tick(self, now: float | None = None) -> TuningRecord:
+    def tick(self, now: float | None = None, scale_out: str | None = None) -> TuningRecord:
+        """`scale_out`: what a scale-out in flight waits for (`fleet_change.scale_out_in_flight`), or None."""
         now = self.clock() if now is None else now
         pods = list(self.list_pods())
         errors: list[str] = []
@@ -127,7 +128,7 @@ class Tuner:
             obs = self.source.observe(pods, now, self.policy.window_s, since=self.state.last_change_time)
             errors += list(obs.errors) if obs else []
         before = self.state.tuned
-        decision = decide(self.state, obs, self.policy, now)
+        decision = decide(self.state, obs, self.policy, now, scale_out)
         changed = False
         if decision.applied and decision.knobs is not None:
             changed, apply_errors = self._apply(pods, decision.knobs)

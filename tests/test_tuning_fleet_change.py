@@ -1,0 +1,68 @@
+"""While pods a scale-out added come up, the tuner does not back max_num_seqs off for a breach:
+`scale_out_in_flight` on a table of scaler states, then `decide` with and without a scale-out in flight
+on the same windows (the back-off gives way to the next cure, or to holding; preemptions still back off)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from iterserve.operator.tuning.decide import BACK_OFF_SEQS, HOLD, LOWER_CHUNK, TunerState, decide
+from iterserve.operator.tuning.fleet_change import scale_out_in_flight
+from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
+from tests.test_tuning_decide import POLICY as TUNING
+from tests.test_tuning_decide import START, window
+
+POLICY = ScalePolicy(min_replicas=1, max_replicas=8, settle_s=60, pod_start_s=600)
+NOW = 10_000.0
+OUT = ScaleState(last_scale_time=NOW - 20, last_direction=SCALE_OUT, starting=True)
+
+# title, state, (replicas, ready), words in the reason (None: none in flight)
+ROWS = [
+    ("the autoscaler never moved", ScaleState(), (2, 1), None),
+    ("pods a scale-out added are starting", OUT, (2, 1), "starting (1/2 ready)"),
+    ("all ready now, before the scaler has seen it: a window from now", OUT, (2, 2), "settling (60 s left)"),
+    ("ready 30 s ago: half a window left",
+     dataclasses.replace(OUT, last_scale_time=NOW - 45, starting=False, whole_since=NOW - 30), (2, 2), "(30 s left)"),
+    ("ready a window ago: over", dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False,
+                                                     whole_since=NOW - 60), (2, 2), None),
+    ("pods that never started are not waited for past pod_start_s",
+     dataclasses.replace(OUT, last_scale_time=NOW - 600), (2, 1), None),
+    ("a scale-in is not a scale-out", ScaleState(last_scale_time=NOW - 10, last_direction=SCALE_IN), (1, 1), None),
+]
+
+
+@pytest.mark.parametrize("title, state, seen, words", ROWS, ids=[r[0] for r in ROWS])
+def test_scale_out_in_flight(title, state, seen, words):
+    why = scale_out_in_flight(state, *seen, POLICY, NOW)
+    assert why is None if words is None else (why is not None and words in why), why
+
+
+IN_FLIGHT = "pods the autoscaler added are starting (1/2 ready)"
+
+
+def decide_at(obs, scale_out, knobs=START):
+    return decide(TunerState(knobs), dataclasses.replace(obs, start=NOW - TUNING.window_s, end=NOW), TUNING, NOW,
+                  scale_out)
+
+
+@pytest.mark.parametrize("name, obs, knobs, held_action", [
+    # both far over, nothing waiting for a place: a back-off first, then a smaller chunk
+    ("the back-off gives way to a smaller chunk", window(ttft=3000, itl=400), START, LOWER_CHUNK),
+    ("the chunk at its bound: the knobs hold", window(ttft=3000, itl=400), START.replace(prefill_chunk_size=32),
+     HOLD),
+])
+def test_no_back_off_while_a_scale_out_is_in_flight(name, obs, knobs, held_action):
+    assert decide_at(obs, None, knobs).action == BACK_OFF_SEQS
+    held = decide_at(obs, IN_FLIGHT, knobs)
+    assert held.action == held_action and held.state.knobs.max_num_seqs == knobs.max_num_seqs, held.reason
+    if held_action == HOLD:
+        assert IN_FLIGHT in held.reason and held.tuned.status == "False" and held.state.last_change_time is None
+
+
+def test_other_cures_and_preemptions_are_not_held():
+    ttft = window(ttft=3000, itl=40, waiting=3)  # TTFT over, the cap binding: more places
+    assert decide_at(ttft, IN_FLIGHT).action == decide_at(ttft, None).action != BACK_OFF_SEQS
+    preempted = decide_at(window(waiting=3, preempt=2.0), IN_FLIGHT)
+    assert preempted.action == BACK_OFF_SEQS and preempted.state.knobs.max_num_seqs < START.max_num_seqs
