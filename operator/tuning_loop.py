@@ -10,8 +10,10 @@ reconcile never interleave), one tick:
   them, e.g. a spec edit the reconcile applied, and the Tuner is told) and the admin token (key `<name>`
   of Secret `iterserve-admin-tokens`);
 - lists the ready pods through the API (podIP and the Ready condition, started with that token);
-- ticks the Tuner (pods' /metrics, or Prometheus with `--prometheus-url`); in auto mode a change goes
-  to the ConfigMap first (`reconcile.set_tuned_knobs`: new pods start with it), then live to every pod;
+- ticks the Tuner (pods' /metrics, or Prometheus with `--prometheus-url`), told with spec.autoscaling
+  whether a scale-out's pods are still coming up (no back-off of max_num_seqs meanwhile); in auto mode a
+  change goes to the ConfigMap first (`reconcile.set_tuned_knobs`: new pods start with it), then live to
+  every pod;
 - writes the status fields and the `Tuned` condition, and returns the Events to emit: one per change
   (or, in observe mode, per new recommendation) and one per transition of `Tuned`.
 """
