@@ -1,12 +1,13 @@
 """The replica autoscaler inside the tuner's loop: one `Autoscaler` per LLMService with spec.autoscaling.
 
 It runs right after each tuner tick (operator/tuning_loop.py), under the same object lock, on the same
-window (and before it, tells the tuner whether pods its last scale-out added are still coming up): the replicas in force (operator/autoscaling.py), the Deployment's ready pods and the namespace's
+window: the replicas in force (operator/autoscaling.py), the Deployment's ready pods and the namespace's
 HorizontalPodAutoscalers go into `decide_scale` (operator/tuning/scale.py); its count and reason go to the
 status (desiredReplicas, lastScale, the `Autoscaling` condition); a change is then rendered by a full
 reconcile, which reads desiredReplicas back and applies the Deployment (and the PodDisruptionBudget) with
 it, so there is one way the Deployment is written. The Events name each change and each turn of the
-condition into or out of trouble.
+condition into or out of trouble. Before the tuner's tick, it tells the tuner whether pods its last
+scale-out added are still coming up (operator/tuning/fleet_change.py).
 """
 
 from __future__ import annotations
