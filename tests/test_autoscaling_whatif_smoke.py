@@ -59,21 +59,15 @@ def test_the_tuner_held_while_scaling_moves_no_knob_while_pods_start():
     assert any(d.action != HOLD for n, ready, d in free.ticks if ready < n)  # as is, the tuner moves then
 
 
-# title, scaler state, (replicas, ready), words in the reason (None: no hold)
+# title, scaler state, (replicas, ready), words in the reason (None: no hold); a scale-out in flight is
+# fleet_change.scale_out_in_flight's (tests/test_tuning_fleet_change.py), the scale-in the what-if's own
 HOLD_ROWS = [
     ("the autoscaler never moved", ScaleState(), (2, 1), None),
     ("pods a scale-out added are starting", ScaleState(last_scale_time=80.0, last_direction=SCALE_OUT, starting=True),
      (2, 1), "starting (1/2 ready)"),
-    ("all ready now, the scaler not told yet: a window from now",
-     ScaleState(last_scale_time=80.0, last_direction=SCALE_OUT, starting=True), (2, 2), "(60 s left)"),
-    ("ready 30 s ago", ScaleState(last_scale_time=55.0, last_direction=SCALE_OUT, whole_since=70.0), (2, 2),
-     "(30 s left)"),
-    ("ready a window ago", ScaleState(last_scale_time=0.0, last_direction=SCALE_OUT, whole_since=40.0), (2, 2),
-     None),
-    ("pods that never started are not waited for past pod_start_s",
-     ScaleState(last_scale_time=-600.0, last_direction=SCALE_OUT, starting=True), (2, 1), None),
     ("a scale-in: a window after it", ScaleState(last_scale_time=90.0, last_direction=SCALE_IN, whole_since=0.0),
-     (1, 1), "(50 s left)"),
+     (1, 1), "scale-in (50 s left)"),
+    ("a scale-in a window ago", ScaleState(last_scale_time=40.0, last_direction=SCALE_IN), (1, 1), None),
 ]
 
 
