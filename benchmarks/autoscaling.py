@@ -120,9 +120,8 @@ class Hpa:
 
 
 ScaleFn = Callable[[ScaleState, Fleet, ScalePolicy, float], ScaleDecision]
-# why the tuner's move should be held this tick, from the scaler's state, the replicas asked for and ready,
-# and the move (the tuner's decision)
-HoldFn = Callable[[ScaleState, int, int, ScalePolicy, float, Decision], "str | None"]
+# why the tuner's move should be held this tick, from the scaler's state and the replicas asked for and ready
+HoldFn = Callable[[ScaleState, int, int, ScalePolicy, float], "str | None"]
 
 
 class Probe(Protocol):
@@ -168,7 +167,7 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
             if controller == "replicas" else None
         d = decide(tuner, obs, POLICY, t, in_flight)
         if tuner_hold is not None and controller == "replicas" and d.action != HOLD and r.trouble is None and \
-                (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t, d)) is not None:
+                (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t)) is not None:
             d = stay(tuner, t, why, None, tuner.tuned)
         tuner = d.state
         s = None

@@ -116,7 +116,7 @@ def out_on_waiting(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: fl
 
 
 def tuner_holds_while_scaling(state: ScaleState, replicas: int, ready: int, policy: ScalePolicy,
-                              now: float, move: Decision | None = None) -> str | None:
+                              now: float) -> str | None:
     """A rule tried for the tuner and not adopted (docs/benchmarks-autoscaling.md): while the replicas change
     under it, its window holds the fleet before the change, so it holds every move until a window holds
     only the new fleet (the scaler's own `settling`), after a scale-in too. The reason, or None."""
