@@ -1,6 +1,7 @@
-"""While pods a scale-out added come up, the tuner does not back max_num_seqs off for a breach:
-`scale_out_in_flight` on a table of scaler states, then `decide` with and without a scale-out in flight
-on the same windows (the back-off gives way to the next cure, or to holding; preemptions still back off)."""
+"""While pods a scale-out added come up and their backlog drains, the tuner does not back max_num_seqs off
+for a breach: `scale_out_in_flight` on a table of scaler states, then `decide` with and without a
+scale-out in flight on the same windows (the back-off gives way to the next cure, or to holding;
+preemptions still back off)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ ROWS = [
                                                      whole_since=NOW - 60), (2, 2), None),
     ("pods that never started are not waited for past pod_start_s",
      dataclasses.replace(OUT, last_scale_time=NOW - 600), (2, 1), None),
+    ("settled, the queue still falling: the backlog drains",
+     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80,
+                         queue_before=(NOW - 10, 40.0), last_queue=(NOW - 5, 36.0)), (2, 2),
+     "draining the backlog (40 -> 36 waiting)"),
+    ("settled, the queue rising again: an overload of the new fleet",
+     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80,
+                         queue_before=(NOW - 10, 36.0), last_queue=(NOW - 5, 40.0)), (2, 2), None),
+    ("settled, the backlog gone (under one request waiting)",
+     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80,
+                         queue_before=(NOW - 10, 3.0), last_queue=(NOW - 5, 0.8)), (2, 2), None),
+    ("readings from before the scale-out say nothing of its backlog",
+     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80,
+                         queue_before=(NOW - 110, 40.0), last_queue=(NOW - 105, 36.0)), (2, 2), None),
     ("a scale-in is not a scale-out", ScaleState(last_scale_time=NOW - 10, last_direction=SCALE_IN), (1, 1), None),
 ]
 

@@ -152,7 +152,7 @@ class Tick:
             st = dataclasses.replace(st, starting=False, whole_since=now, start_s=took)
         if f.obs is None:
             return st
-        st = dataclasses.replace(st, last_queue=(now, f.obs.queued))
+        st = dataclasses.replace(st, last_queue=(now, f.obs.queued), queue_before=st.last_queue)
         pressure = self.exhausted or self.growth is not None
         capacity = st.capacity
         if capacity is not None and st.capacity_knobs != f.knobs:
@@ -255,7 +255,8 @@ def settling(t: Tick) -> ScaleDecision | None:
     left = t.policy.settle_s - (t.now - since)
     return t.stay(f"the window still holds the fleet before the last change ({left:.0f} s left)",
                   state=dataclasses.replace(st, starting=t.s.starting, whole_since=t.s.whole_since,
-                                            start_s=t.s.start_s, last_queue=t.s.last_queue))
+                                            start_s=t.s.start_s, last_queue=t.s.last_queue,
+                                            queue_before=t.s.queue_before))
 
 
 def backlog_draining(t: Tick) -> ScaleDecision | None:

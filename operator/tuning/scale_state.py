@@ -63,6 +63,7 @@ class ScaleState:
     proven: float | None = None  # the highest requests/s per pod seen in a window that met the SLO
     start_s: float | None = None  # how long the last scale-out's pods took to be ready (measured)
     last_queue: tuple[float, float] | None = None  # the previous (time, requests waiting), settling or not
+    queue_before: tuple[float, float] | None = None  # ... and the one before it
 
 
 @dataclass(frozen=True)
