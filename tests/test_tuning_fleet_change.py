@@ -71,6 +71,8 @@ def test_no_back_off_while_a_scale_out_is_in_flight(name, obs, knobs, held_actio
     assert decide_at(obs, None, knobs).action == BACK_OFF_SEQS
     held = decide_at(obs, IN_FLIGHT, knobs)
     assert held.action == held_action and held.state.knobs.max_num_seqs == knobs.max_num_seqs, held.reason
+    if held_action == LOWER_CHUNK:
+        assert "not backing max_num_seqs off" in held.reason and IN_FLIGHT in held.reason
     if held_action == HOLD:
         assert IN_FLIGHT in held.reason and held.tuned.status == "False" and held.state.last_change_time is None
 

@@ -185,13 +185,16 @@ def cure_breach(w: Window) -> Decision | None:
         tuned = state.tuned if state.tuned.status == "True" else breached(r, state.tuned)
         return stay(s, w.now, f"{', '.join(over)}, {policy.confirm_breaches} needed to act; {r.text}", False, tuned)
     moves = corrections(state.knobs, w.seen, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
+    why = "SLO breached"
     if w.scale_out is not None and any(action == BACK_OFF_SEQS for action, _ in moves):
         # fewer places would cut what the pods carry as the fleet grows to carry more (fleet_change.py)
+        if moves[0][0] == BACK_OFF_SEQS:
+            why = f"SLO breached, and {w.scale_out}: not backing max_num_seqs off"
         moves = [m for m in moves if m[0] != BACK_OFF_SEQS]
         if not [m for m in moves if m[1] != state.knobs]:
             return stay(s, w.now, f"SLO breached, but {w.scale_out}: max_num_seqs is not backed off while "
                         f"they come up; {r.text}", False, breached(r, state.tuned))
-    return correct(s, policy, w.now, r, moves, "SLO breached")
+    return correct(s, policy, w.now, r, moves, why)
 
 
 def raise_chunk_for_prefill(w: Window) -> Decision | None:
