@@ -89,10 +89,12 @@ def test_closed_loop_cli_run_figures_plots_and_server_agreement(server, tmp_path
     slo = {"ttft": 3000.0, "itl": 800.0}
     before = _ttft_buckets(server)
     out = tmp_path / "closed"
+    # a scrape every 0.1 s: the 12 requests take about a second, and at 0.5 s each scrape could fall outside
+    # them (KV usage 0 in every sample: 1 run in 3 on the 2-core VM)
     proc = subprocess.run(
         [sys.executable, "-m", "iterserve.server.entrypoints.cli", "bench", "--url", server,
          "--input-len", "uniform:8:40", "--output-len", str(OUTPUT_LEN), "--requests", "12", "--concurrency", "4",
-         "--slo", "ttft=3000,itl=800", "--setting", "policy=continuous", "--metrics-interval", "0.5",
+         "--slo", "ttft=3000,itl=800", "--setting", "policy=continuous", "--metrics-interval", "0.1",
          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "results:" in proc.stdout
