@@ -28,6 +28,10 @@ class _PodCollector:
                                     labels=["pod"])
         waiting = GaugeMetricFamily("iterserve:router_pod_waiting",
                                     "vllm:num_requests_waiting at the pod's last scrape.", labels=["pod"])
+        requests = GaugeMetricFamily("iterserve:router_pod_requests",
+                                     "Requests on the pod as least-load counts them: this router's in flight, "
+                                     "or waiting + running at the last scrape (less this router's ended since) "
+                                     "if more.", labels=["pod"])
         kv = GaugeMetricFamily("iterserve:router_pod_kv_cache_usage_perc",
                                "vllm:kv_cache_usage_perc at the pod's last scrape.", labels=["pod"])
         prefill = GaugeMetricFamily("iterserve:router_pod_prefill_ahead_tokens",
@@ -38,9 +42,10 @@ class _PodCollector:
             in_flight.add_metric([pod.url], pod.load.in_flight)
             healthy.add_metric([pod.url], 1 if pod.healthy else 0)
             waiting.add_metric([pod.url], pod.load.waiting)
+            requests.add_metric([pod.url], pod.load.requests())
             kv.add_metric([pod.url], pod.load.kv_usage)
             prefill.add_metric([pod.url], pod.load.prefill_ahead())
-        yield from (in_flight, healthy, waiting, kv, prefill)
+        yield from (in_flight, healthy, waiting, requests, kv, prefill)
 
 
 class RouterMetrics:

@@ -56,17 +56,22 @@ def test_answers_through_the_router_equal_the_pods_own(pods, router):
     direct, via = _client(pods[0]), _client(router)
     assert [m.id for m in via.models.list().data] == [m.id for m in direct.models.list().data]
     model = direct.models.list().data[0].id
-    for prompt in ("The quick brown fox", "hello"):
-        want = direct.completions.create(model=model, prompt=prompt, **GREEDY).choices[0].text
+    prompts = ("The quick brown fox", "hello")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    wants = [direct.completions.create(model=model, prompt=p, **GREEDY).choices[0].text for p in prompts]
+    want_chat = direct.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0].message.content
+    # the direct requests reach the router only through its scrapes: until one after them, pods[0] looks busy
+    # and least-load rightly sends everything to pods[1]
+    wait_until(lambda: all(router_gauge(router, "iterserve:router_pod_requests", p) == 0 for p in pods),
+               timeout=30, what="the router's scrapes see both pods idle")
+    for prompt, want in zip(prompts, wants, strict=True):
         assert via.completions.create(model=model, prompt=prompt, **GREEDY).choices[0].text == want
         streamed = "".join(c.choices[0].text for c in
                            via.completions.create(model=model, prompt=prompt, stream=True, **GREEDY) if c.choices)
         assert streamed == want
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    want = direct.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0].message.content
-    assert via.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0].message.content == want
+    assert via.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0].message.content == want_chat
     chunks = via.chat.completions.create(model=model, messages=messages, stream=True, **GREEDY)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
     # both pods took a share (idle pods take turns), and every answer was counted
     assert all(routed(router, p) >= 1 for p in pods)
     assert sum(routed(router, p) for p in pods) == 7  # /v1/models once, 4 completions, 2 chats
