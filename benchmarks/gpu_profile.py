@@ -31,7 +31,6 @@ from pathlib import Path  # noqa: E402
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
 from benchmarks.gpu import FULL, SMOKE, build_engine, sync  # noqa: E402
 
