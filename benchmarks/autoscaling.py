@@ -47,22 +47,20 @@ from typing import Protocol
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim  # noqa: E402
-from iterserve.common.wire import Knobs  # noqa: E402
+from benchmarks.fleet_scenario import SCENARIOS, TUNING_TESTS, Scenario  # noqa: E402
+from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim, merge_windows  # noqa: E402
 from iterserve.operator.tuning.decide import HOLD, Decision, TunerState, decide  # noqa: E402
 from iterserve.operator.tuning.decision import stay  # noqa: E402
 from iterserve.operator.tuning.fleet_change import scale_out_in_flight  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
-from iterserve.operator.tuning.policy import TuningPolicy  # noqa: E402
 from iterserve.operator.tuning.reading import read  # noqa: E402
 from iterserve.operator.tuning.scale import Fleet, ScaleDecision, ScalePolicy, ScaleState, decide_scale  # noqa: E402
 
-TICK_S = 30.0
-POLICY = TuningPolicy(ttft_p99_ms=1500, itl_p99_ms=40, max_num_seqs_bounds=(1, 64),
-                      prefill_chunk_size_bounds=(16, 512), interval_s=TICK_S, window_s=TICK_S, seqs_step=4,
-                      min_samples=20)
-START = Knobs(max_num_seqs=4, max_num_batched_tokens=512, prefill_chunk_size=256)
-CAPACITY = 20.0  # requests/s one pod finishes within the SLO at its best knobs (LatencyModel().meets)
+# the table of record's scenario (benchmarks/fleet_scenario.py's TUNING_TESTS), by its old names
+TICK_S = TUNING_TESTS.tick_s
+POLICY = TUNING_TESTS.policy
+START = TUNING_TESTS.start
+CAPACITY = 20.0  # requests/s one pod finishes within the SLO at its best knobs (TUNING_TESTS.slo_capacity())
 PHASES = ((0.25, 20), (1.0, 40), (0.5, 40), (0.25, 30))  # (share of the peak, ticks)
 SETTLE_TICKS = 10  # after each step of the load: what "after convergence" leaves out
 HPA_TOLERANCE, HPA_DOWN_WINDOW_S, HPA_DOWN_EVERY_S = 0.1, 300.0, 60.0
@@ -81,11 +79,11 @@ class Run:
                 "replica_s": self.replica_s, "peak_replicas": max(self.replicas)}
 
 
-def load(fleet: int) -> list[tuple[float, bool]]:
+def load(fleet: int, scenario: Scenario = TUNING_TESTS) -> list[tuple[float, bool]]:
     """(requests/s, past the settling ticks) per tick."""
     out = []
-    for share, ticks in PHASES:
-        out += [(share * fleet * CAPACITY * 0.9, i >= SETTLE_TICKS) for i in range(ticks)]
+    for per_f, seconds in scenario.phases:
+        out += [(per_f * fleet, i >= scenario.ticks(scenario.settle_s)) for i in range(scenario.ticks(seconds))]
     return out
 
 
@@ -133,55 +131,75 @@ class Probe(Protocol):
               scaled: ScaleDecision | None) -> None: ...  # it ran; the controllers decided (not yet applied)
 
 
-def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float = 60.0,
+def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float | None = None,
              routing: str = "round-robin", fleet_p99: str = "merged", max_replicas: int | None = None,
              probe: Probe | None = None, min_replicas: int = 1, scaler: ScaleFn = decide_scale,
-             tuner_hold: HoldFn | None = None) -> Run:
+             tuner_hold: HoldFn | None = None, scenario: Scenario = TUNING_TESTS) -> Run:
     """One run; `min_replicas` and `max_replicas` (default 1 and 2F) bound the autoscaler and the HPA alike;
-    `scaler` is the autoscaler's decision (the product's, or a variant benchmarks/autoscaling_whatif.py tries);
-    `tuner_hold`, a variant the product does not have: the tuner's moves are held back (preemptions
-    excepted) on the ticks it gives a reason for."""
-    rates = load(fleet)
-    first = max(min_replicas, math.ceil(rates[0][0] / (CAPACITY * 0.9)))  # spec.replicas, clamped into the range
-    sim, run = FleetSim(first, seed, start_s, routing, fleet_p99), Run()
-    tuner = TunerState(START)
-    scaler_state = ScaleState()
+    `start_s` (default the scenario's) is how long a new pod takes to be ready; `scaler` is the autoscaler's
+    decision (the product's, or a variant benchmarks/autoscaling_whatif.py tries); `tuner_hold`, a variant the
+    product does not have: the tuner's moves are held back (preemptions excepted) on the ticks it gives a
+    reason for. Where the scenario's window is several ticks long, the controllers read the ticks of the last
+    window (since the last knob change, as the operator's window never reaches back past one), and the SLO is
+    judged on back-to-back windows."""
+    sc, policy = scenario, scenario.policy
+    tick_s, per_window = sc.tick_s, sc.window_ticks
+    rates = load(fleet, sc)
+    # spec.replicas: what the first phase needs at 0.9 of a pod's capacity within the SLO, clamped into the range
+    per_pod = CAPACITY if sc is TUNING_TESTS else sc.slo_capacity()
+    first = max(min_replicas, math.ceil(rates[0][0] / (per_pod * 0.9)))
+    sim = FleetSim(first, seed, sc.start_s if start_s is None else start_s, routing, fleet_p99, sc.model,
+                   sc.shared_cores)
+    run, tuner, scaler_state = Run(), TunerState(sc.start), ScaleState()
     hi = 2 * fleet if max_replicas is None else max_replicas
-    scale_policy = ScalePolicy(min_replicas=min_replicas, max_replicas=hi, settle_s=TICK_S, window_s=TICK_S,
-                               headroom_line=POLICY.headroom_line)
-    hpa = Hpa(threshold, min_replicas, hi)
+    scale_policy = ScalePolicy(min_replicas=min_replicas, max_replicas=hi, scale_down_window_s=sc.scale_down_s,
+                               settle_s=policy.window_s, window_s=policy.window_s, headroom_line=policy.headroom_line)
+    hpa = Hpa(threshold, min_replicas, hi, down_window_s=sc.scale_down_s)
+    hpa_every = 1 if sc.hpa_period_s is None else max(1, round(sc.hpa_period_s / tick_s))
     t = 0.0
-    for tick, (rate, settled) in enumerate(rates):
+    seen: list[Observation] = []  # the controllers' window: the ticks since the last knob change, at most a window
+    judged: list[Observation] = []  # the SLO's window: back-to-back blocks of `per_window` ticks
+    for tick, (rate, _) in enumerate(rates):
         if probe is not None:
             probe.before(tick, sim, t)
         replicas = len(sim.pods)
-        obs = sim.window(tuner.knobs, rate, t, t + TICK_S)
-        t += TICK_S
-        r = read(obs, POLICY)
-        run.within.append(r.met and r.trouble is None)
-        run.settled.append(settled)
-        run.replica_s += replicas * TICK_S
+        sub = sim.window(tuner.knobs, rate, t, t + tick_s)
+        t += tick_s
+        seen = (seen + [sub])[-per_window:]
+        judged.append(sub)
+        run.replica_s += replicas * tick_s
         run.replicas.append(replicas)
+        obs = merge_windows(seen)
+        r = read(obs, policy)
+        if len(judged) == per_window:
+            block = merge_windows(judged)
+            verdict = read(block, policy)
+            run.within.append(verdict.met and verdict.trouble is None)
+            run.settled.append(rates[tick + 1 - per_window][1])
+            judged = []
         # the tuner is told of a scale-out in flight, as in the operator
         in_flight = scale_out_in_flight(scaler_state, replicas, sim.ready(t), scale_policy, t) \
             if controller == "replicas" else None
-        d = decide(tuner, obs, POLICY, t, in_flight)
+        knobs_before = tuner.knobs
+        d = decide(tuner, obs, policy, t, in_flight)
         if tuner_hold is not None and controller == "replicas" and d.action != HOLD and r.trouble is None and \
                 (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t)) is not None:
             d = stay(tuner, t, why, None, tuner.tuned)
         tuner = d.state
+        if tuner.knobs != knobs_before:
+            seen = []
         s = None
         if controller == "replicas":
             view = Fleet(replicas=replicas, ready=sim.ready(t), obs=obs,
-                         reading=r if obs.num_samples >= POLICY.min_samples else None, verdict=d.tuned,
+                         reading=r if obs.num_samples >= policy.min_samples else None, verdict=d.tuned,
                          tuner_action=d.action, batch_cap=tuner.knobs.max_num_seqs, knobs=tuner.knobs)
             s = scaler(scaler_state, view, scale_policy, t)
             scaler_state = s.state
         if probe is not None:
-            probe.after(tick, sim, obs, run.within[-1], d, s)
+            probe.after(tick, sim, obs, r.met and r.trouble is None, d, s)
         if s is not None:
             sim.resize(s.replicas, t)
-        elif controller == "hpa":
+        elif controller == "hpa" and (tick + 1) % hpa_every == 0:
             sim.resize(hpa.desired(replicas, obs, t), t)
     return run
 
@@ -198,16 +216,17 @@ def best_hpa(by_threshold: dict[float, dict]) -> tuple[float, dict]:
     return max(by_threshold.items(), key=lambda kv: kv[1]["within_slo_settled"])
 
 
-def compare(fleet: int, routing: str, seeds: range, thresholds: list[float], start_s: float,
-            fleet_p99: str = "merged", max_factor: int = 2, lo: int = 1) -> dict:
+def compare(fleet: int, routing: str, seeds: range, thresholds: list[float], start_s: float | None,
+            fleet_p99: str = "merged", max_factor: int = 2, lo: int = 1, scenario: Scenario = TUNING_TESTS) -> dict:
     """One fleet size behind one routing: the three controllers, the HPA at each threshold."""
     row: dict = {"fleet": fleet, "routing": routing}
     hi = max_factor * fleet
     for name in ("knobs", "replicas"):
-        row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99, hi, min_replicas=lo)
-                                    for s in seeds])
+        row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99, hi, min_replicas=lo,
+                                             scenario=scenario) for s in seeds])
     row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99, hi,
-                                                    min_replicas=lo) for s in seeds]) for th in thresholds}
+                                                    min_replicas=lo, scenario=scenario) for s in seeds])
+                  for th in thresholds}
     th, best = best_hpa({float(k): v for k, v in row["hpa"].items()})
     row["best_hpa_threshold"] = th
     ours = row["replicas"]
@@ -236,7 +255,11 @@ def main(argv=None) -> int:
                     help="round-robin (a plain Service), least-load (spec.router), or both")
     ap.add_argument("--fleet-p99", choices=FLEET_P99S, default="merged",
                     help="the fleet's p99: the pods' histograms summed (what the operator reads), or the worst pod's")
-    ap.add_argument("--start-s", type=float, default=60.0, help="seconds a new pod takes to be ready")
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="tuning-tests",
+                    help="the pods' model, SLO, cadence and load (benchmarks/fleet_scenario.py): the tuning tests' "
+                         "model, or it fitted to the live pods (and sharing the live machine's cores)")
+    ap.add_argument("--start-s", type=float, default=None,
+                    help="seconds a new pod takes to be ready (default: the scenario's, 60 or 12)")
     ap.add_argument("--max-replicas", type=int, default=2, metavar="K",
                     help="maxReplicas as K times the fleet size F, for the autoscaler and the HPA alike")
     ap.add_argument("--min-replicas", type=int, default=1, metavar="N",
@@ -248,13 +271,19 @@ def main(argv=None) -> int:
     routings = args.routings.split(",")
     if unknown := set(routings) - set(ROUTINGS):
         ap.error(f"--routings: {', '.join(sorted(unknown))} is not one of {', '.join(ROUTINGS)}")
+    scenario = SCENARIOS[args.scenario]()
     results = []
+    if scenario is not TUNING_TESTS:
+        m = scenario.model
+        print(f"scenario {scenario.name}: t0 {m['t0'] * 1e3:.2f} ms, {m['per_seq'] * 1e3:.2f} ms a sequence, "
+              f"{m['per_prefill_token'] * 1e3:.3f} ms a prompt token; SLO {scenario.policy.ttft_p99_ms:g} / "
+              f"{scenario.policy.itl_p99_ms:g} ms; a pod carries {scenario.slo_capacity():.2f} requests/s within it")
     print(f"{'fleet':>5} | {'routing':<11} | {'controller':<22} | {'in SLO':>7} | {'settled':>7} | "
           f"{'replica-s':>9} | {'peak':>4} | vs best HPA")
     for fleet in fleets:
         for routing in routings:
             results.append(compare(fleet, routing, range(args.seeds), thresholds, args.start_s, args.fleet_p99,
-                                   args.max_replicas, args.min_replicas))
+                                   args.max_replicas, args.min_replicas, scenario))
             print_row(results[-1])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.autoscaling import PHASES, TICK_S, Run, load, simulate  # noqa: E402
+from benchmarks.autoscaling import Run, load, simulate  # noqa: E402
+from benchmarks.fleet_scenario import SCENARIOS, TUNING_TESTS, Scenario  # noqa: E402
 from benchmarks.fleet_sim import ROUTINGS, FleetSim  # noqa: E402
 from iterserve.operator.tuning.actions import HOLD  # noqa: E402
 from iterserve.operator.tuning.decision import Decision  # noqa: E402
@@ -52,7 +53,11 @@ from iterserve.operator.tuning.scale import (  # noqa: E402
     decide_scale,
 )
 
-PEAK_TICK = PHASES[0][1]  # the first tick of the peak
+
+def peak_tick(scenario: Scenario) -> int:
+    """The first tick of the peak."""
+    return scenario.ticks(scenario.phases[0][1])
+
 
 
 @dataclass
@@ -128,14 +133,14 @@ def tuner_holds_while_scaling(state: ScaleState, replicas: int, ready: int, poli
     return f"the fleet is settling after the last scale-in ({policy.settle_s - (now - last):.0f} s left)"
 
 
-def cases(fleet: int, routing: str, start_s: float) -> dict[str, dict]:
+def cases(fleet: int, routing: str, start_s: float, scenario: Scenario = TUNING_TESTS) -> dict[str, dict]:
     """Each case's keyword arguments to `simulate` (`asks`: an `Asks` probe)."""
-    hi = 2 * fleet
-    lead = -(-start_s // TICK_S)  # ticks a pod takes to be ready, rounded up
+    hi, peak = 2 * fleet, peak_tick(scenario)
+    lead = -(-start_s // scenario.tick_s)  # ticks a pod takes to be ready, rounded up
     return {
         "as is": {},
-        "foresight": {"asks": Asks(PEAK_TICK, hi)},
-        "pre-provisioned": {"asks": Asks(PEAK_TICK - int(lead), hi)},
+        "foresight": {"asks": Asks(peak, hi)},
+        "pre-provisioned": {"asks": Asks(peak - int(lead), hi)},
         "pods ready in half the time": {"start_s": start_s / 2},
         "maxReplicas 2F+1": {"max_replicas": hi + 1},
         "maxReplicas 3F": {"max_replicas": 3 * fleet},
@@ -144,19 +149,20 @@ def cases(fleet: int, routing: str, start_s: float) -> dict[str, dict]:
         "pod more on waiting queue": {"scaler": out_on_waiting},
         "tuner holds while scaling": {"tuner_hold": tuner_holds_while_scaling},
         "least-load": {"routing": "least-load"},
-    } if routing != "least-load" else {"as is": {}, "foresight": {"asks": Asks(PEAK_TICK, hi)},
+    } if routing != "least-load" else {"as is": {}, "foresight": {"asks": Asks(peak, hi)},
                                        "pod more on waiting queue": {"scaler": out_on_waiting},
                                        "tuner holds while scaling": {"tuner_hold": tuner_holds_while_scaling}}
 
 
-def run_case(fleet: int, seed: int, routing: str, start_s: float, kw: dict, trace: Trace | None = None) -> Run:
+def run_case(fleet: int, seed: int, routing: str, start_s: float, kw: dict, trace: Trace | None = None,
+             scenario: Scenario = TUNING_TESTS) -> Run:
     kw = dict(kw)
     asks = kw.pop("asks", None)
     if trace is not None:
         trace.inner = asks
     probe = trace if trace is not None else asks
     return simulate(fleet, seed, "replicas", 0.0, kw.pop("start_s", start_s), kw.pop("routing", routing),
-                    probe=probe, **kw)
+                    probe=probe, scenario=scenario, **kw)
 
 
 def missed(run: Run) -> int:
@@ -168,25 +174,31 @@ def main(argv=None) -> int:
     ap.add_argument("--fleet", type=int, default=2)
     ap.add_argument("--routing", choices=ROUTINGS, default="round-robin")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--start-s", type=float, default=60.0, help="seconds a new pod takes to be ready")
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="tuning-tests",
+                    help="benchmarks/fleet_scenario.py's: the tuning tests' model, or it fitted to the live pods")
+    ap.add_argument("--start-s", type=float, default=None, help="seconds a new pod takes to be ready "
+                    "(default: the scenario's)")
     ap.add_argument("--trace", type=int, metavar="SEED", help="print one seed's run tick by tick")
     ap.add_argument("--case", default="as is", help="the case to trace")
-    ap.add_argument("--ticks", default=f"{PEAK_TICK - 2}-{PEAK_TICK + 20}", help="the ticks to trace, LO-HI")
+    ap.add_argument("--ticks", default=None, help="the ticks to trace, LO-HI (default: from 2 before the peak, 22)")
     args = ap.parse_args(argv)
-    table = cases(args.fleet, args.routing, args.start_s)
+    scenario = SCENARIOS[args.scenario]()
+    start_s = scenario.start_s if args.start_s is None else args.start_s
+    table = cases(args.fleet, args.routing, start_s, scenario)
     if args.trace is not None:
         if args.case not in table:
             ap.error(f"--case: one of {', '.join(table)}")
-        lo, hi = (int(x) for x in args.ticks.split("-"))
+        peak = peak_tick(scenario)
+        lo, hi = (int(x) for x in (args.ticks or f"{peak - 2}-{peak + 20}").split("-"))
         print(f"{'tick':>4} | {'load':>5} | {'done':>5} | {'n/rdy':<5} | {'backlog per ready pod':<22} | "
               f"{'waiting':>7} | {'TTFT99':>7} | SLO  | {'knobs':<8} | {'tuner':<14} | autoscaler")
-        run_case(args.fleet, args.trace, args.routing, args.start_s, table[args.case],
-                 Trace(lo, hi, load(args.fleet)))
+        run_case(args.fleet, args.trace, args.routing, start_s, table[args.case],
+                 Trace(lo, hi, load(args.fleet, scenario)), scenario)
         return 0
-    print(f"F = {args.fleet}, {args.routing}, {args.seeds} seeds")
+    print(f"F = {args.fleet}, {args.routing}, {args.seeds} seeds, scenario {scenario.name}")
     print(f"{'case':<28} | {'after convergence':>17} | {'missed per seed':<18} | {'replica-s':>9}")
     for name, kw in table.items():
-        runs_ = [run_case(args.fleet, seed, args.routing, args.start_s, kw) for seed in range(args.seeds)]
+        runs_ = [run_case(args.fleet, seed, args.routing, start_s, kw, scenario=scenario) for seed in range(args.seeds)]
         share = statistics.median(r.summary()["within_slo_settled"] for r in runs_)
         cost = statistics.median(r.replica_s for r in runs_)
         print(f"{name:<28} | {share:>17.1%} | {','.join(str(missed(r)) for r in runs_):<18} | {cost:>9.0f}")

@@ -78,18 +78,50 @@ def merged_p99(p99s: list[float], weights: list[float], q: float = 0.99) -> floa
     return hi
 
 
+def merge_windows(subs: list[Observation]) -> Observation:
+    """Back-to-back windows as one, as the operator's sliding window reads them: rates and gauges averaged
+    over the time, samples summed, p99s the pooled quantile (each window weighing by its samples)."""
+    if len(subs) == 1:
+        return subs[0]
+    dts = [o.end - o.start for o in subs]
+    span = sum(dts)
+
+    def mean(values: list[float]) -> float:
+        return sum(v * dt for v, dt in zip(values, dts, strict=True)) / span
+
+    def p99(values: list[float | None]) -> float | None:
+        pairs = [(v, float(o.num_samples)) for v, o in zip(values, subs, strict=True) if v is not None]
+        return merged_p99([v for v, _ in pairs], [w for _, w in pairs]) if pairs else None
+
+    last = subs[-1]
+    queue_times = [(o.queue_time_mean_s, o.request_rate * dt) for o, dt in zip(subs, dts, strict=True)
+                   if o.queue_time_mean_s is not None]
+    finished = sum(w for _, w in queue_times)
+    return Observation(
+        start=subs[0].start, end=last.end, num_pods=last.num_pods, num_samples=sum(o.num_samples for o in subs),
+        ttft_p99_s=p99([o.ttft_p99_s for o in subs]), itl_p99_s=p99([o.itl_p99_s for o in subs]),
+        request_rate=mean([o.request_rate for o in subs]), prompt_token_rate=mean([o.prompt_token_rate for o in subs]),
+        generation_token_rate=mean([o.generation_token_rate for o in subs]),
+        waiting=mean([o.waiting for o in subs]), running=mean([o.running for o in subs]),
+        queue_time_mean_s=sum(q * w for q, w in queue_times) / finished if finished else last.queue_time_mean_s,
+        kv_usage=max(o.kv_usage for o in subs), preemption_rate=mean([o.preemption_rate for o in subs]),
+        error_rate=0.0)
+
+
 class FleetSim:
-    """Pods of the latency model behind `routing` (one of ROUTINGS)."""
+    """Pods of the latency model (`model`: its parameters) behind `routing` (one of ROUTINGS); with
+    `shared_cores` ({pods: speed}), each ready pod runs at the speed the number of ready pods allows."""
 
     def __init__(self, replicas: int, seed: int, start_s: float, routing: str = "round-robin",
-                 fleet_p99: str = "merged"):
+                 fleet_p99: str = "merged", model: dict | None = None, shared_cores: dict[int, float] | None = None):
         self.seed, self.start_s, self.made, self.route = seed, start_s, 0, ROUTE[routing]
         self.worst = {"merged": False, "worst-pod": True}[fleet_p99]
+        self.model, self.shared_cores = model or {}, shared_cores or {}
         self.pods = [self._pod(-1.0) for _ in range(replicas)]
 
     def _pod(self, ready_at: float) -> Pod:
         self.made += 1
-        return Pod(LatencyModel(seed=self.seed * 1000 + self.made), ready_at)
+        return Pod(LatencyModel(**self.model, seed=self.seed * 1000 + self.made), ready_at)
 
     def resize(self, replicas: int, now: float) -> None:
         while len(self.pods) < replicas:
@@ -104,6 +136,8 @@ class FleetSim:
         """The fleet's window as the operator reads it from every ready pod's /metrics: rates and queues
         summed, p99s the summed histograms' (or the worst pod's)."""
         ready = [p for p in self.pods if p.ready_at <= start]
+        for p in ready:
+            p.model.slowdown = 1.0 / self.shared_cores.get(len(ready), 1.0)
         capacity = ready[0].model.steady(knobs, rate / len(ready)).capacity  # one model, one setting: equal
         before = [p.model.backlog for p in ready]
         rates = self.route(before, capacity, rate, end - start)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.autoscaling_whatif import PEAK_TICK, cases, main, missed, run_case, tuner_holds_while_scaling
+from benchmarks.autoscaling_whatif import cases, main, missed, peak_tick, run_case, tuner_holds_while_scaling
+from benchmarks.fleet_scenario import TUNING_TESTS
 from iterserve.operator.tuning.actions import HOLD
 from iterserve.operator.tuning.scale import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
+
+PEAK_TICK = peak_tick(TUNING_TESTS)
 
 
 def test_the_asks_resize_before_any_window_shows_the_peak():

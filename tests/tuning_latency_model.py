@@ -8,6 +8,13 @@ capacity returns: TTFT grows with queueing when max_num_seqs is too low for the 
 number of prefill steps when the chunk is too small. KV demand is running sequences x mean context over
 the pool; above `preempt_above` of it the server preempts. The noise is multiplicative on the p99s and
 Poisson on the sample count, from a seeded generator.
+
+`exact_prefill` (off for the tuning tests, whose tables were set on the model without it): a step carries
+the prompt tokens its requests need on average (each request's prompt over its steps), at most a chunk, not
+a whole chunk per prefill step; a request's prefill costs its own prompt's tokens; and a pod finishes no
+more prompts than a chunk a step allows. Fitted to real pods (benchmarks/fleet_scenario.py), where prefill
+is most of the work, the model without it would let a big batch finish prompts no step has room for.
+`slowdown` stretches every step (pods sharing the cores of one machine).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ class LatencyModel:
     preempt_above: float = 1.0  # KV demand (share of the pool) above which the server preempts
     noise: float = 0.08
     seed: int = 0
+    exact_prefill: bool = False
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -51,13 +60,18 @@ class LatencyModel:
         return chunk, math.ceil(self.prompt / chunk)
 
     def _step(self, batch: float, chunk: int, prefill_steps: int, with_prefill: bool = False) -> float:
+        if self.exact_prefill:
+            tokens = chunk if with_prefill else min(chunk, batch * self.prompt / (prefill_steps + self.output))
+            return self.slowdown * (self.t0 + self.per_seq * batch + self.per_prefill_token * tokens)
         share = 1.0 if with_prefill else min(1.0, batch * prefill_steps / (prefill_steps + self.output))
-        return self.t0 + self.per_seq * batch + self.per_prefill_token * chunk * share
+        return self.slowdown * (self.t0 + self.per_seq * batch + self.per_prefill_token * chunk * share)
 
     def steady(self, knobs: Knobs, rate: float, saturated: bool = False) -> Steady:
         chunk, prefill_steps = self._chunk(knobs)
         steps, seqs = prefill_steps + self.output, knobs.max_num_seqs
         capacity = seqs / (steps * self._step(seqs, chunk, prefill_steps))
+        if self.exact_prefill:  # no more prompts than the steps' prefill room
+            capacity = min(capacity, chunk / (self.prompt * self._step(seqs, chunk, prefill_steps)))
         batch = float(seqs)
         if not saturated:
             batch = 0.0
@@ -67,6 +81,9 @@ class LatencyModel:
         wait = rho ** (math.sqrt(2 * (seqs + 1)) - 1) / (seqs * (1 - rho)) * (seqs / capacity)
         itl = self._step(batch, chunk, prefill_steps, with_prefill=batch * prefill_steps / steps > 0.01)
         prefill = prefill_steps * self._step(batch, chunk, prefill_steps, with_prefill=True)
+        if self.exact_prefill:  # its steps as they run, and its own prompt's tokens
+            prefill = (prefill_steps * self._step(batch, chunk, prefill_steps)
+                       + self.slowdown * self.per_prefill_token * self.prompt)
         kv = batch * (self.prompt + self.output / 2) / self.kv_tokens
         return Steady(batch, capacity, wait, itl, prefill, kv)
 
