@@ -175,7 +175,8 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
             block = merge_windows(judged)
             verdict = read(block, policy)
             run.within.append(verdict.met and verdict.trouble is None)
-            run.settled.append(rates[tick + 1 - per_window][1])
+            # after convergence: no tick of the window within the settling after a step
+            run.settled.append(all(settled for _, settled in rates[tick + 1 - per_window:tick + 1]))
             judged = []
         # the tuner is told of a scale-out in flight, as in the operator
         in_flight = scale_out_in_flight(scaler_state, replicas, sim.ready(t), scale_policy, t) \

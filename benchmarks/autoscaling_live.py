@@ -26,8 +26,8 @@ Calibration, first, on one pod: a long prompt's TTFT and the inter-token gap alo
 second one pod finishes under overload (at the tuner's starting knobs), and the same for two pods; the
 SLOs are factors of the first two, the load's rates factors of the one-pod capacity. Per run: 20-second
 windows, within SLO when the p99 TTFT of the requests that arrived in them and the p99 of the gaps that
-ended in them meet the SLOs (benchmarks/tuning_load.py); "after convergence" leaves out `--settle-s`
-after each step of the load; replica-seconds are the pods that existed (starting, serving or draining)
+ended in them meet the SLOs (benchmarks/tuning_load.py); "after convergence" leaves out the windows that
+overlap the `--settle-s` after each step of the load; replica-seconds are the pods that existed (starting, serving or draining)
 integrated over the load. Runs alternate their order from round to round. A benchmark: it prints and
 asserts nothing. `tests/test_autoscaling_live.py` runs a small one on the tiny model.
 
@@ -268,9 +268,12 @@ def alone(live: Live, setup: Setup) -> dict:
     return {"ttft_long_ms": 1000 * statistics.median(long), "itl_ms": 1000 * statistics.median(gaps)}
 
 
-def settled(windows: list[dict], load: StepLoad, settle_s: float) -> list[dict]:
+def settled(windows: list[dict], load: StepLoad, settle_s: float, window_s: float) -> list[dict]:
+    """The windows after convergence: those that overlap no step's first `settle_s` (a window that holds the
+    first seconds of a step, the phases not being whole windows, holds what no controller had time for)."""
     starts = [sum(p.duration_s for p in load.phases[:i]) for i in range(len(load.phases))]
-    return [w for w in windows if not any(s <= w["start_s"] < s + settle_s for s in starts)]
+    return [w for w in windows
+            if not any(w["start_s"] < s + settle_s and w["start_s"] + window_s > s for s in starts)]
 
 
 class Router:
@@ -322,7 +325,7 @@ def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
     figures = {
         "controller": controller, "name": name,
         "windows_within_slo": share_within(windows),
-        "settled_within_slo": share_within(settled(windows, setup.load, setup.settle_s)),
+        "settled_within_slo": share_within(settled(windows, setup.load, setup.settle_s, setup.window_s)),
         "replica_s": round(service.pod_seconds(t0, t0 + duration), 1),
         "peak_pods": max((pods for _, pods, _ in timeline), default=0),
         "num_requests": len(records), "num_failed": sum(not r.ok for r in records),

@@ -14,9 +14,17 @@ def window(start: float, ok: bool | None) -> dict:
 
 def test_settled_leaves_out_the_windows_after_each_step():
     windows = [window(20.0 * i, True) for i in range(11)]  # 0..200 s
-    kept = [w["start_s"] for w in settled(windows, LOAD, settle_s=40.0)]
+    kept = [w["start_s"] for w in settled(windows, LOAD, settle_s=40.0, window_s=20.0)]
     # the steps are at 0, 60 and 160 s: 0-40, 60-100 and 160-200 are left out
     assert kept == [40.0, 100.0, 120.0, 140.0, 200.0]
+
+
+def test_a_window_that_holds_a_steps_first_seconds_is_left_out_too():
+    load = StepLoad((Phase(0.4, 90.0), Phase(1.4, 180.0), Phase(0.4, 150.0)))  # the live benchmark's
+    windows = [window(20.0 * i, True) for i in range(21)]  # 0..420 s
+    kept = [w["start_s"] for w in settled(windows, load, settle_s=60.0, window_s=20.0)]
+    # steps at 0, 90 and 270 s: 80-100 holds the peak's first 10 s, 260-280 the low phase's
+    assert kept == [60.0, 160.0, 180.0, 200.0, 220.0, 240.0, 340.0, 360.0, 380.0, 400.0]
 
 
 def run(controller: str, settled_share: float, replica_s: float, failed: int = 0) -> dict:
