@@ -27,9 +27,9 @@ second one pod finishes under overload (at the tuner's starting knobs), and the 
 SLOs are factors of the first two, the load's rates factors of the one-pod capacity. Per run: 20-second
 windows, within SLO when the p99 TTFT of the requests that arrived in them and the p99 of the gaps that
 ended in them meet the SLOs (benchmarks/tuning_load.py); "after convergence" leaves out the windows that
-overlap the `--settle-s` after each step of the load; replica-seconds are the pods that existed (starting, serving or draining)
-integrated over the load. Runs alternate their order from round to round. A benchmark: it prints and
-asserts nothing. `tests/test_autoscaling_live.py` runs a small one on the tiny model.
+overlap the `--settle-s` after each step of the load; replica-seconds are the pods that existed (starting,
+serving or draining) integrated over the load. Runs alternate their order from round to round. A benchmark:
+it prints and asserts nothing. `tests/test_autoscaling_live.py` runs a small one on the tiny model.
 
     python benchmarks/autoscaling_live.py                         # 1 round: knobs, replicas, router, hpa 1 and 4
     python benchmarks/autoscaling_live.py --start-knobs 4,128     # knobs far from tuned, as the simulator starts

@@ -4,9 +4,11 @@ The tuner moves the knobs inside each pod; this decides how many pods there are,
 in the same tick. Knobs come first: the fleet grows only when the tuner has no better setting left (its
 verdict is BoundsReached or NoBetterSetting, or it has just rolled a change back; in observe mode, where it
 moves nothing, any confirmed breach) and the SLO is still breached, or when the waiting queue keeps growing
-whatever the tuner says (arrivals outrun the fleet). It shrinks by one pod once the fleet has had headroom
-for the scale-down stabilization window and the load spread over one pod fewer would still fit with a
-margin. `SCALE_RULES` is an ordered table like the tuner's `RULES`: the first rule that decides wins.
+whatever the tuner says (arrivals outrun the fleet), or when the breach stands over a backlog the fleet is
+not working off (it finishes what arrives and no more, so the queue and the breach stay). It shrinks by one
+pod once the fleet has had headroom for the scale-down stabilization window and the load spread over one
+pod fewer would still fit with a margin. `SCALE_RULES` is an ordered table like the tuner's `RULES`: the
+first rule that decides wins.
 
 What one pod can carry is learned, not configured: at each scale-out on full batches the per-pod
 completion rate (the fleet saturated, or over its SLO at every knob setting) is remembered as `capacity`,
@@ -103,6 +105,20 @@ class Tick:
         return rate, obs.queued / rate
 
     @cached_property
+    def standing(self) -> bool:
+        """The SLO is breached over a backlog the fleet is not working off: at least half a request per pod
+        waiting, not fallen since the previous reading or falling too slowly to be gone within
+        `backlog_windows` windows. A fleet that finishes what arrives and no more keeps its backlog, and the
+        breach with it, whatever the knobs do to the batch; pods added drain it (least-load sends them the
+        new requests while the backlog's pods work it off)."""
+        f, r, p = self.fleet, self.fleet.reading, self.policy
+        if r is None or r.met or f.obs is None or self.state.last_queue is None:
+            return False
+        if f.obs.queued < max(1.0, 0.5 * self.n):
+            return False
+        return self.drain is None or self.drain[1] >= p.backlog_windows * p.settle_s
+
+    @cached_property
     def exhausted(self) -> bool:
         """The SLO is breached and the knobs have nothing better to give."""
         f, r = self.fleet, self.fleet.reading
@@ -153,7 +169,7 @@ class Tick:
         if f.obs is None:
             return st
         st = dataclasses.replace(st, last_queue=(now, f.obs.queued), queue_before=st.last_queue)
-        pressure = self.exhausted or self.growth is not None
+        pressure = self.exhausted or self.growth is not None or self.standing
         capacity = st.capacity
         if capacity is not None and st.capacity_knobs != f.knobs:
             capacity = None  # the tuner has moved the knobs since: what one pod carries is known no more
@@ -267,7 +283,7 @@ def backlog_draining(t: Tick) -> ScaleDecision | None:
     learned as its capacity). A growing queue is not draining; without a measured start time this does
     not apply."""
     s = t.s
-    if (s.pressure_since is None or t.growth is not None or not t.exhausted or s.start_s is None
+    if (s.pressure_since is None or t.growth is not None or not (t.exhausted or t.standing) or s.start_s is None
             or t.drain is None or t.drain[1] >= s.start_s):
         return None
     rate, left = t.drain
@@ -278,9 +294,9 @@ def backlog_draining(t: Tick) -> ScaleDecision | None:
 def scale_out(t: Tick) -> ScaleDecision | None:
     """Pressure held for the scale-up window: add pods. A growing queue says by how much: arrivals are
     the completions plus the queue's growth, and the fleet grows in the ratio of arrivals plus what drains
-    the queue within a window to completions; a breach at the end of the knobs by how far the worst p99 is
-    over (one pod at least). At most `max_factor` times the fleet or `max_step` pods more, whichever is
-    more (Kubernetes' HPA's default limit)."""
+    the queue within a window to completions; a standing backlog likewise, arrivals being the completions; a
+    breach at the end of the knobs by how far the worst p99 is over (one pod at least). At most `max_factor`
+    times the fleet or `max_step` pods more, whichever is more (Kubernetes' HPA's default limit)."""
     s, p, f = t.s, t.policy, t.fleet
     if s.pressure_since is None or t.now - s.pressure_since < p.scale_up_window_s:
         if s.pressure_since is not None:
@@ -291,10 +307,15 @@ def scale_out(t: Tick) -> ScaleDecision | None:
     if t.growth is not None:
         rate = t.seen.request_rate
         drain = t.seen.queued / p.settle_s if p.settle_s > 0 else 0.0
-        need = math.ceil(n * (rate + t.growth + drain) / rate) if rate > 0 else n + 1
-        target = max(target, need)
+        target = max(target, _grown(n, rate, rate + t.growth + drain, p.max_replicas))
         why.append(f"the waiting queue grew {t.growth:.2f} requests/s over {p.queue_windows} back-to-back windows "
                    f"while {rate:.2f} requests/s finished")
+    if t.standing and t.growth is None:
+        rate = t.seen.request_rate
+        target = max(target, _grown(n, rate, rate + t.seen.queued / p.settle_s, p.max_replicas))
+        left = "not falling" if t.drain is None else f"falling {t.drain[0]:.1f} requests/s"
+        why.append(f"SLO breached with {t.seen.queued:.0f} requests waiting, {left}, while {rate:.2f} requests/s "
+                   f"finished")
     if t.exhausted:
         reading = f.reading
         assert reading is not None  # exhausted only on a reading
@@ -309,6 +330,14 @@ def scale_out(t: Tick) -> ScaleDecision | None:
         return t.stay(reason, Condition("False", "MaxReplicasReached", f"{n} replicas: {reason}"))
     return t.scale(SCALE_OUT, target, reason + (f" (on the way to {goal})" if goal > target else ""),
                    capacity=t.per_pod_rate if t.per_pod_rate > 0 and t.full else None, goal=goal)
+
+
+def _grown(n: int, done: float, wanted: float, most: int) -> int:
+    """n pods finish `done` requests/s and `wanted` are asked of them: the pods that finish it (a rate near
+    zero asks for the most the range allows, one more at least)."""
+    if done <= 0:
+        return n + 1
+    return math.ceil(min(n * wanted / done, float(max(most, n + 1))))
 
 
 def scale_in(t: Tick) -> ScaleDecision | None:
