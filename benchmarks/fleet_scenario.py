@@ -13,11 +13,11 @@ Two scenarios:
   60-s scale-down window and the HPA's 15-s sync. `shared_cores` (the live machine: two pods and everything
   else on 2 cores) slows each pod when two run, by what the calibration's two-pod run measured.
 
-The fit (`fit_model`) solves the model's own formulas (with `exact_prefill`: on one CPU thread a prompt
-token costs ~85 decode-step overheads, so prefill is most of a pod's work) for its three step-time
-constants: a decode step of one sequence is the gap alone (t0 + per_seq); a prompt token costs what the long
-prompt's TTFT alone has beyond its prefill steps' gaps; and the model's capacity at the starting knobs on
-the load's mean request is the one-pod overload rate. tests/test_fleet_scenario.py checks that the fitted
+The fit (`fit_model`) solves the model's own formulas (with `exact_prefill`: on one CPU thread a request's
+prompt costs ~3 times its decode, so prefill is most of a pod's work) for its three step-time constants:
+a decode step of one sequence is the gap alone (t0 + per_seq); a prompt token costs what the long prompt's
+TTFT alone has beyond its prefill steps' gaps; and the model's capacity at the starting knobs on the load's
+mean request is the one-pod overload rate. tests/test_fleet_scenario.py checks that the fitted
 model gives those figures back.
 """
 
