@@ -4,7 +4,12 @@ a grid, side by side in one run.
 
     python benchmarks/autoscaling.py [--fleets 2,4,8,16,32] [--seeds 3] [--thresholds 0.5,1,2,4,8,16]
                                      [--routings round-robin,least-load] [--max-replicas 2] [--min-replicas 1]
+                                     [--scenario tuning-tests|live-fit|live-fit-shared]
                                      [--out benchmarks/results/autoscaling.json]   # a few minutes here
+
+What runs is a scenario (benchmarks/fleet_scenario.py): the table of record's, described below, or the
+same model fitted to the live pods of benchmarks/autoscaling_live.py at their cadence (a tick every 5 s on
+a 20-s window, the SLO judged on back-to-back 20-s windows), load and pod starts.
 
 The fleet (benchmarks/fleet_sim.py): pods of the latency model the tuning tests use
 (tests/tuning_latency_model.py: M/M/c-like queueing, a backlog above capacity, ITL growing with the batch
@@ -12,9 +17,10 @@ and the chunk, 8% multiplicative noise) behind the routing each configuration ha
 Service: every ready pod the same share) or `least-load` (spec.router: a pod with a longer queue gets no
 new requests until it has drained to its peers' level); every controller is compared behind the same
 routing. A new pod is ready `--start-s` after it is asked for, a removed pod's queue goes to the others
-(it drains: nothing is lost). Every tick (30 s, a 30 s window) the fleet's window is every pod's merged as
-the operator merges the pods' /metrics: rates and queues summed, p99s the quantile of the summed
-histograms (`--fleet-p99 worst-pod`: the worst pod's p99, which grows with the fleet by noise alone).
+(it drains: nothing is lost). Every tick (30 s, a 30-s window, in the table of record's) the fleet's
+window is every pod's merged as the operator merges the pods' /metrics: rates and queues summed, p99s the
+quantile of the summed histograms (`--fleet-p99 worst-pod`: the worst pod's p99, which grows with the
+fleet by noise alone).
 
 The load, per fleet size F: one pod carries at most `CAPACITY` requests/s within the SLO at its best
 knobs, so the peak needs F pods at any setting; a stepped Poisson-like rate of 0.25F, F, 0.5F, 0.25F
@@ -28,8 +34,9 @@ pods' worth (20, 40, 40, 30 ticks), starting from knobs far from tuned (max_num_
   tuner's knobs (the tuner in auto mode beside it, as a user of both would run them); best threshold:
   the cheapest that reaches 99% of windows within the SLO after convergence, else the one with the most
   windows within it.
-Reported per fleet size and routing (medians over seeds): windows within the SLO (all; after convergence, leaving
-out `SETTLE_TICKS` ticks after each step of the load) and replica-seconds.
+Reported per fleet size and routing (medians over seeds): windows within the SLO (all; after convergence,
+leaving out the windows that overlap the settling after each step of the load: 10 ticks in the table of
+record's) and replica-seconds.
 """
 
 from __future__ import annotations
@@ -61,8 +68,6 @@ TICK_S = TUNING_TESTS.tick_s
 POLICY = TUNING_TESTS.policy
 START = TUNING_TESTS.start
 CAPACITY = 20.0  # requests/s one pod finishes within the SLO at its best knobs (TUNING_TESTS.slo_capacity())
-PHASES = ((0.25, 20), (1.0, 40), (0.5, 40), (0.25, 30))  # (share of the peak, ticks)
-SETTLE_TICKS = 10  # after each step of the load: what "after convergence" leaves out
 HPA_TOLERANCE, HPA_DOWN_WINDOW_S, HPA_DOWN_EVERY_S = 0.1, 300.0, 60.0
 
 

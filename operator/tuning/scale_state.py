@@ -25,7 +25,7 @@ class ScalePolicy:
     margin: float = 0.2  # a scale-in must leave each pod under (1 - margin) of its capacity and batch cap
     queue_windows: int = 2  # rising readings of the queue, of back-to-back windows, that count as growing...
     queue_growth: float = 0.1  # ... when it grows by at least this share of the completion rate
-    backlog_windows: float = 2.0  # a breach whose queue would take longer than this many windows to drain
+    backlog_windows: float = 2.0  # a breach whose queue would take longer than this many windows to drain stands
     pod_start_s: float = 600.0  # how long pods added by a scale-out are waited for before adding more
     max_factor: float = 2.0  # one scale-out at most multiplies the fleet by this (or adds max_step pods)
     max_step: int = 4
