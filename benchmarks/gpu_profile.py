@@ -111,11 +111,16 @@ def profile(engine, timer: StepTimer, steps: int, out: Path, device: str) -> dic
                 break
             timer.step(engine)
     wall_us = (time.perf_counter() - t) * 1e6
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
     cuda_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    by_device = sorted(events, key=lambda e: getattr(e, cuda_attr, 0), reverse=True)[:20]
+    # the device's own events (kernels, copies, memsets): a host op that launched a kernel reports its time too,
+    # and summing both would count it twice
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA]
+    by_device = sorted(on_device, key=lambda e: getattr(e, cuda_attr, 0), reverse=True)[:20]
     by_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
-    device_us = sum(getattr(e, cuda_attr, 0) for e in events)
+    device_us = sum(getattr(e, cuda_attr, 0) for e in on_device)
     trace = out / "gpu_profile_trace.json"
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
