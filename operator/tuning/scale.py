@@ -313,8 +313,8 @@ def scale_out(t: Tick) -> ScaleDecision | None:
     if t.standing and t.growth is None:
         rate = t.seen.request_rate
         target = max(target, _grown(n, rate, rate + t.seen.queued / p.settle_s, p.max_replicas))
-        left = "not falling" if t.drain is None else f"falling {t.drain[0]:.1f} requests/s"
-        why.append(f"SLO breached with {t.seen.queued:.0f} requests waiting, {left}, while {rate:.2f} requests/s "
+        trend = "not falling" if t.drain is None else f"falling {t.drain[0]:.1f} requests/s"
+        why.append(f"SLO breached with {t.seen.queued:.0f} requests waiting, {trend}, while {rate:.2f} requests/s "
                    f"finished")
     if t.exhausted:
         reading = f.reading
