@@ -170,13 +170,13 @@ def batch1_decode(engine, sizes: Sizes, copy_gb_s: float | None) -> dict:
     return result
 
 
-def throughput(engine, sizes: Sizes, deadline: float) -> dict:
-    """Offline throughput of num_requests random-token requests, ignore_eos; cut short at the deadline."""
+def add_requests(engine, sizes: Sizes) -> tuple[list[str], int]:
+    """The throughput workload: num_requests random-token requests (seed 0), ignore_eos, greedy. Returns
+    their ids and the prompt tokens added."""
     from iterserve.server.engine.sampling_params import SamplingParams
 
     rng = random.Random(0)
-    ids = []
-    prompt_tokens = 0
+    ids, prompt_tokens = [], 0
     for _ in range(sizes.num_requests):
         n = rng.randint(*sizes.input_len)
         prompt_tokens += n
@@ -184,6 +184,12 @@ def throughput(engine, sizes: Sizes, deadline: float) -> dict:
             prompt_token_ids=[rng.randrange(engine.vocab_size) for _ in range(n)],
             sampling_params=SamplingParams(max_tokens=rng.randint(*sizes.output_len), temperature=0,
                                            ignore_eos=True)))
+    return ids, prompt_tokens
+
+
+def throughput(engine, sizes: Sizes, deadline: float) -> dict:
+    """Offline throughput of num_requests random-token requests, ignore_eos; cut short at the deadline."""
+    ids, prompt_tokens = add_requests(engine, sizes)
     stats = engine.stats
     generated0, steps0 = stats.num_generated_tokens, stats.num_steps
     start = time.perf_counter()

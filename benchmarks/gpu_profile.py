@@ -23,7 +23,6 @@ if "--smoke" in sys.argv:  # before anything imports triton
 import argparse  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
-import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,19 +31,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from benchmarks.gpu import FULL, SMOKE, build_engine, sync  # noqa: E402
-
-
-def add_requests(engine, sizes) -> None:
-    """The throughput section's requests (same seed, same lengths)."""
-    from iterserve.server.engine.sampling_params import SamplingParams
-
-    rng = random.Random(0)
-    for _ in range(sizes.num_requests):
-        n = rng.randint(*sizes.input_len)
-        engine.add_request(prompt_token_ids=[rng.randrange(engine.vocab_size) for _ in range(n)],
-                           sampling_params=SamplingParams(max_tokens=rng.randint(*sizes.output_len),
-                                                          temperature=0, ignore_eos=True))
+from benchmarks.gpu import FULL, SMOKE, add_requests, build_engine, sync  # noqa: E402
 
 
 class StepTimer:
@@ -54,7 +41,6 @@ class StepTimer:
         core = engine.core
         self.device, self.rows, self.current = device, [], {}
         schedule, execute = core.scheduler.schedule, core.model_runner.execute_model
-        self.graph_runs = 0
 
         def timed_schedule():
             t = time.perf_counter()
