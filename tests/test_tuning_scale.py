@@ -152,9 +152,22 @@ ROWS = [
      (SCALE_IN, 2, "ScaledIn", "1.00 requests/s per pod over 2 pods within 80% of the 5.00")),
     ("headroom, but one pod fewer would pass the capacity learned at the last scale-out",
      HEADROOM_LONG, fleet(window(rate=9.0, running=2)), POLICY, (STAY, 2, "Steady", "would pass 80% of the 5.00")),
-    ("headroom, but one pod fewer would carry more per pod than has been seen within the SLO, by a margin",
-     dataclasses.replace(HEADROOM_LONG, capacity=None), fleet(window(rate=8.0, running=2)), POLICY,
-     (STAY, 2, "Steady", "is more than 125% of the 4.00")),
+    ("headroom, but one pod fewer would carry more per pod than has been seen within the SLO",
+     dataclasses.replace(HEADROOM_LONG, capacity=None, proven=4.0), fleet(window(rate=4.4, running=2)), POLICY,
+     (STAY, 2, "Steady", "4.40 requests/s per pod over 1 pod is more than the 4.00")),
+    ("headroom, a fleet grown for a peak: as many pods go as the capacity leaves room for",
+     HEADROOM_LONG, fleet(window(rate=20.0, running=8, pods=8), replicas=8), POLICY,
+     (SCALE_IN, 5, "ScaledIn", "4.00 requests/s per pod over 5 pods within 80% of the 5.00")),
+    ("... at most half the fleet at once",
+     HEADROOM_LONG, fleet(window(rate=2.0, running=2, pods=8), replicas=8), POLICY,
+     (SCALE_IN, 4, "ScaledIn", "0.50 requests/s per pod over 4 pods")),
+    ("... no further than the most a pod has been seen to carry within the SLO, none learned",
+     dataclasses.replace(HEADROOM_LONG, capacity=None, proven=3.0),
+     fleet(window(rate=9.0, running=2, pods=4), replicas=4), POLICY,
+     (SCALE_IN, 3, "ScaledIn", "3.00 requests/s per pod over 3 pods")),
+    ("... nor past the batch cap's margin",
+     HEADROOM_LONG, fleet(window(rate=2.0, running=70, pods=8), replicas=8), POLICY,
+     (SCALE_IN, 6, "ScaledIn", "0.33 requests/s per pod over 6 pods")),
     ("headroom, and a capacity known under the knobs in force: it decides, not the most seen within the SLO",
      dataclasses.replace(HEADROOM_LONG, capacity=12.0, proven=2.0), fleet(window(rate=8.0, running=2)), POLICY,
      (SCALE_IN, 1, "ScaledIn", "8.00 requests/s per pod over 1 pod within 80% of the 12.00")),
@@ -269,9 +282,9 @@ def test_headroom_and_pressure_are_timed_from_their_first_window():
        action=st.sampled_from([HOLD, ROLLBACK, RAISE_SEQS]), since=st.floats(0, 2000),
        capacity=st.none() | st.floats(0.1, 50), lo=st.integers(1, 8), span=st.integers(0, 24),
        start_s=st.none() | st.floats(0, 600), queued_before=st.floats(0, 400))
-def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_by_one(replicas, ready, ttft, rate, waiting, running,
-                                                                      samples, verdict, action, since, capacity, lo,
-                                                                      span, start_s, queued_before):
+def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_into_what_fits(
+        replicas, ready, ttft, rate, waiting, running, samples, verdict, action, since, capacity, lo, span, start_s,
+        queued_before):
     policy = dataclasses.replace(POLICY, min_replicas=lo, max_replicas=lo + span)
     state = ScaleState(last_scale_time=NOW - since, last_direction=SCALE_OUT, capacity=capacity,
                        headroom_since=NOW - since, pressure_since=NOW - since, start_s=start_s,
@@ -280,8 +293,10 @@ def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_by_one(replicas, 
     d = decide_scale(state, fleet(obs, replicas=replicas, ready=ready, verdict=verdict, action=action), policy, NOW)
     assert policy.min_replicas <= d.replicas <= policy.max_replicas
     inside = policy.min_replicas <= replicas <= policy.max_replicas
-    if inside and d.action == SCALE_IN:
-        assert d.replicas == replicas - 1
+    if inside and d.action == SCALE_IN:  # by one at least, by half the fleet at most, into what fits
+        assert max(policy.min_replicas, replicas - max(1, replicas // 2)) <= d.replicas < replicas
+        if capacity is not None and d.replicas < replicas - 1:
+            assert rate / d.replicas <= (1 - policy.margin) * capacity + 1e-9
     if inside and d.action == SCALE_OUT:
         assert replicas < d.replicas <= max(2 * replicas, replicas + 4)
     if d.action == STAY:

@@ -29,6 +29,7 @@ class ScalePolicy:
     pod_start_s: float = 600.0  # how long pods added by a scale-out are waited for before adding more
     max_factor: float = 2.0  # one scale-out at most multiplies the fleet by this (or adds max_step pods)
     max_step: int = 4
+    max_in_share: float = 0.5  # one scale-in removes at most this share of the fleet (one pod at least)
     full_batch: float = 0.75  # share of max_num_seqs running per pod that counts as full (the tuner's line)
 
 
