@@ -310,19 +310,26 @@ def scale_out(t: Tick) -> ScaleDecision | None:
         target = max(target, _grown(n, rate, rate + t.growth + drain, p.max_replicas))
         why.append(f"the waiting queue grew {t.growth:.2f} requests/s over {p.queue_windows} back-to-back windows "
                    f"while {rate:.2f} requests/s finished")
+    rate, backlog = t.seen.request_rate, t.seen.queued / (p.backlog_windows * p.settle_s)
     if t.standing and t.growth is None:
-        rate = t.seen.request_rate
-        target = max(target, _grown(n, rate, rate + t.seen.queued / p.settle_s, p.max_replicas))
+        target = max(target, _grown(n, rate, rate + backlog, p.max_replicas))
         trend = "not falling" if t.drain is None else f"falling {t.drain[0]:.1f} requests/s"
         why.append(f"SLO breached with {t.seen.queued:.0f} requests waiting, {trend}, while {rate:.2f} requests/s "
                    f"finished")
     if t.exhausted:
         reading = f.reading
         assert reading is not None  # exhausted only on a reading
-        target = max(target, n + math.ceil(n * (min(reading.score, p.max_factor) - 1)))
         verdict = f.verdict.reason if not f.knobs_fixed else 'observe mode'
         why.append(f"SLO breached with no better knob setting ({verdict}"
                    f"{', rolled back' if f.tuner_action == ROLLBACK else ''}): {reading.text}")
+        if t.drain is not None and reading.itl <= 1:
+            # TTFT alone over a falling queue: the window's p99 is the backlog's wait, which pods added now
+            # shorten only by draining it sooner, so they are sized as a standing backlog's are
+            target = max(target, _grown(n, rate, rate + backlog, p.max_replicas))
+            why.append(f"the queue falling {t.drain[0]:.1f} requests/s: sized to drain it within "
+                       f"{p.backlog_windows:g} windows")
+        else:
+            target = max(target, n + math.ceil(n * (min(reading.score, p.max_factor) - 1)))
     goal, target = min(target, p.max_replicas), min(target, t.step_limit(n))
     reason = "; ".join(why)
     if target <= n:
