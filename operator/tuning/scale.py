@@ -294,9 +294,11 @@ def backlog_draining(t: Tick) -> ScaleDecision | None:
 def scale_out(t: Tick) -> ScaleDecision | None:
     """Pressure held for the scale-up window: add pods. A growing queue says by how much: arrivals are
     the completions plus the queue's growth, and the fleet grows in the ratio of arrivals plus what drains
-    the queue within a window to completions; a standing backlog likewise, arrivals being the completions; a
-    breach at the end of the knobs by how far the worst p99 is over (one pod at least). At most `max_factor`
-    times the fleet or `max_step` pods more, whichever is more (Kubernetes' HPA's default limit)."""
+    the queue within a window to completions; a standing backlog likewise, arrivals being the completions
+    and the queue drained within `backlog_windows` windows (the span the standing test allows it); a breach
+    at the end of the knobs by how far the worst p99 is over, or, TTFT alone over a falling queue, as a
+    standing backlog (one pod at least). At most `max_factor` times the fleet or `max_step` pods more,
+    whichever is more (Kubernetes' HPA's default limit)."""
     s, p, f = t.s, t.policy, t.fleet
     if s.pressure_since is None or t.now - s.pressure_since < p.scale_up_window_s:
         if s.pressure_since is not None:
