@@ -350,15 +350,10 @@ def _grown(n: int, done: float, wanted: float, most: int) -> int:
 
 
 def scale_in(t: Tick) -> ScaleDecision | None:
-    """Headroom held for the scale-down window, and the load over one pod fewer still fits: each pod's
-    requests per second under (1 - margin) of the capacity learned at the last scale-out or, none known
-    under the knobs in force, not over the most a pod was seen to carry within the SLO (a pod carries its
-    last fraction of a request per second at a steep price in queueing, which the window before does not
-    show: fitted pods at a quarter of the TTFT SLO breached at one pod fewer, 1.17x that rate); and its
-    requests in flight under (1 - margin) of the batch cap. Then as many pods go as the same test allows,
-    at most `max_in_share` of the fleet: a fleet grown for a peak would otherwise spend a window per idle
-    pod on its way back (28 -> 4 pods took 8 minutes in the fitted simulator), where Kubernetes' HPA goes
-    to its recommendation in one step."""
+    """Headroom held for the scale-down window, and the load over one pod fewer still fits (`_overfull`).
+    Then as many pods go as the same test allows, at most `max_in_share` of the fleet: a fleet grown for a
+    peak would otherwise spend a window per idle pod on its way back (28 -> 4 pods took 8 minutes in the
+    fitted simulator), where Kubernetes' HPA goes to its recommendation in one step."""
     s, p = t.s, t.policy
     n = t.n
     if s.headroom_since is None or n <= p.min_replicas:
@@ -376,7 +371,12 @@ def scale_in(t: Tick) -> ScaleDecision | None:
 
 
 def _overfull(t: Tick, m: int) -> str | None:
-    """Why the load over `m` pods would not fit (scale_in's test), or None when it would."""
+    """Why the load over `m` pods would not fit, or None when it would: each pod's requests per second under
+    (1 - margin) of the capacity learned at the last scale-out or, none known under the knobs in force, not
+    over the most a pod was seen to carry within the SLO (a pod carries its last fraction of a request per
+    second at a steep price in queueing that the window before does not show: fitted pods at a quarter of
+    the TTFT SLO breached at one pod fewer, 1.17x that rate); its requests in flight under (1 - margin) of
+    the batch cap."""
     s, p, f = t.s, t.policy, t.fleet
     fit, pods = 1 - p.margin, f"{m} pod{'s' if m > 1 else ''}"
     rate = t.seen.request_rate / m
