@@ -25,6 +25,8 @@ from iterserve.operator.builders.deployment import TOKEN_DIGEST_ANNOTATION, buil
 from iterserve.operator.builders.labels import (
     ADMIN_PORT_NAME,
     HTTP_PORT,
+    IN_ROTATION,
+    ROTATION_LABEL,
     knobs_configmap_name,
     pods_service_name,
     router_name,
@@ -47,6 +49,7 @@ from iterserve.operator.builders.service import build_service
 from iterserve.operator.drift import apply_needed, differences, foreign_owner, with_applied_digest
 from iterserve.operator.knob_plan import KnobPlan, describe_change, plan_knobs
 from iterserve.operator.kube import Kube, is_status
+from iterserve.operator.pod_rotation import ensure_rotation_labels
 from iterserve.operator.spec import LLMService
 from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler, patch_scheduler
 
@@ -254,16 +257,24 @@ def router_serving(router: dict | None) -> bool:
     return ((router or {}).get("status") or {}).get("readyReplicas", 0) >= 1
 
 
+def server_pods(kube: Kube, svc: LLMService) -> list[dict]:
+    """Every pod of the service's Deployment, from the pod watch when it has listed, else a list."""
+    pods = kube.cached_list("Pod", svc.namespace, selector_labels(svc.name))
+    return pods if pods is not None else kube.list("v1", "Pod", svc.namespace, selector_string(svc.name))
+
+
+def label_rotation(kube: Kube, svc: LLMService, out: Outcome) -> None:
+    for name in ensure_rotation_labels(kube, svc, server_pods(kube, svc)):
+        out.changes.append(Change("Pod", name, "updated", f"{ROTATION_LABEL}={IN_ROTATION}"))
+
+
 def ready_pods(kube: Kube, svc: LLMService, token: str) -> list[dict]:
     """The service's pods that are Ready, have an IP and were started with admin token `token` (one
     started with an older token is being replaced by the rollout and would refuse it). From the pod
     watch when it has listed (a pod that turns Ready after the watch's last event gets the knobs from the
     next pass, as it would after a list), else a list."""
     digest = token_digest(token)
-    pods = kube.cached_list("Pod", svc.namespace, selector_labels(svc.name))
-    if pods is None:  # no watch, or its listing is not in yet
-        pods = kube.list("v1", "Pod", svc.namespace, selector_string(svc.name))
-    return [pod for pod in pods
+    return [pod for pod in server_pods(kube, svc)
             if not pod["metadata"].get("deletionTimestamp") and (pod.get("status") or {}).get("podIP")
             and (pod["metadata"].get("annotations") or {}).get(TOKEN_DIGEST_ANNOTATION) == digest
             and any(c.get("type") == "Ready" and c.get("status") == "True"
@@ -319,6 +330,7 @@ def reconcile(kube: Kube, svc: LLMService, *, pod_timeout: float = 3.0,
     # the router before the Service that sends clients to it, and gone only after the Service left it
     if svc.router.enabled:
         out.router = attempt("router", ensure_router, kube, svc, out)
+    attempt("pods' rotation", label_rotation, kube, svc, out)  # before the Service that selects by it
     service = attempt("Service", apply_child, kube, svc, build_service(svc, router_serving(out.router)), out)
     if not svc.router.enabled and service is not None:
         attempt("router", ensure_router, kube, svc, out)

@@ -14,6 +14,8 @@ reconcile never interleave), one tick:
   whether a scale-out's pods are still coming up (no back-off of max_num_seqs meanwhile); in auto mode a
   change goes to the ConfigMap first (`reconcile.set_tuned_knobs`: new pods start with it), then live to
   every pod;
+- labels the pods in or out of the Service's rotation by their queues (pod_rotation.py: in auto mode
+  without spec.router; otherwise every pod in);
 - writes the status fields and the `Tuned` condition, and returns the Events to emit: one per change
   (or, in observe mode, per new recommendation) and one per transition of `Tuned`.
 """
@@ -37,6 +39,7 @@ from iterserve.operator.builders.secret import ADMIN_SECRET, admin_token_of
 from iterserve.operator.conditions import TUNED, get_condition
 from iterserve.operator.controller import object_lock, write_tuning_status
 from iterserve.operator.kube import Kube
+from iterserve.operator.pod_rotation import rotate
 from iterserve.operator.reconcile import pod_admin_url, pod_url, ready_pods, set_tuned_knobs, short_error
 from iterserve.operator.scaling_loop import Autoscaler, replicas_of
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
@@ -143,6 +146,7 @@ class TuningLoop:
     _svc: LLMService | None = field(default=None, repr=False)
     _token: str | None = field(default=None, repr=False)
     _admin_urls: dict[str, str] = field(default_factory=dict, repr=False)  # pod URL -> its admin API
+    _pods: dict[str, dict] = field(default_factory=dict, repr=False)  # pod URL -> the pod, as listed this tick
 
     def run_once(self, body: dict) -> tuple[float, list[dict]]:
         """One tick for the LLMService as `body` shows it now: (seconds to the next tick, Events to emit)."""
@@ -186,6 +190,7 @@ class TuningLoop:
                 seen = replicas_of(self.kube, svc, (self.kube.get_llmservice(ns, name) or {}).get("status"))
                 scale_out = self.autoscaler.scale_out_in_flight(svc, seen, policy)
             record = tuner.tick(scale_out=scale_out)
+            self._rotate(svc, record)
             if not write_tuning_status(self.kube, ns, name, record.status(), record.condition()):
                 return None, []  # deleted meanwhile
             if seen is None:
@@ -212,9 +217,18 @@ class TuningLoop:
         return tuner
 
     def _list_pods(self) -> list[str]:
-        pods = ready_pods(self.kube, self._svc, self._token)
-        self._admin_urls = {pod_url(pod): pod_admin_url(pod) for pod in pods}
-        return list(self._admin_urls)
+        self._pods = {pod_url(pod): pod for pod in ready_pods(self.kube, self._svc, self._token)}
+        self._admin_urls = {url: pod_admin_url(pod) for url, pod in self._pods.items()}
+        return list(self._pods)
+
+    def _rotate(self, svc: LLMService, record: TuningRecord) -> None:
+        """Rotation (pod_rotation.py) on the queues the tick read; a source without per-pod readings
+        (Prometheus) leaves every pod in."""
+        waiting = self.source.waiting_now(list(self._pods), record.time) if isinstance(self.source, PodScraper) else {}
+        try:
+            rotate(self.kube, svc, self._pods, waiting)
+        except (ApiException, RuntimeError) as e:  # a pod gone meanwhile: the next tick lists afresh
+            logger.warning("%s/%s: rotation: %s", self.namespace, self.name, short_error(e))
 
     def _apply_knobs(self, knobs: Knobs) -> None:
         set_tuned_knobs(self.kube, self._svc, knobs.as_dict())

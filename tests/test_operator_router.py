@@ -127,9 +127,12 @@ def test_router_pods_never_match_a_server_selector():
     assert not ROUTER_PODS.items() <= server_pod_labels.items()
 
 
+IN_ROTATION = {**SERVER_PODS, "iterserve.io/rotation": "in"}  # the server pods a plain Service sends to
+
+
 @pytest.mark.parametrize("spec, to_router, selector", [
-    ({}, False, SERVER_PODS),
-    ({"router": ON}, False, SERVER_PODS),  # no router pod ready yet: clients stay on the server pods
+    ({}, False, IN_ROTATION),
+    ({"router": ON}, False, IN_ROTATION),  # no router pod ready yet: clients stay on the server pods
     ({"router": ON}, True, ROUTER_PODS),
 ])
 def test_service_selects_the_router_once_it_serves(spec, to_router, selector):

@@ -16,7 +16,7 @@ from iterserve.operator.builders.labels import (
     HTTP_PORT,
     child_metadata,
     knobs_configmap_name,
-    labels,
+    pod_labels,
     selector_labels,
 )
 from iterserve.operator.builders.secret import ADMIN_SECRET
@@ -163,7 +163,7 @@ def build_deployment(svc: LLMService, admin_token_digest: str) -> dict:
         pod_spec["tolerations"] = [dict(t) for t in svc.tolerations]
     annotations = {**SCRAPE_ANNOTATIONS, TOKEN_DIGEST_ANNOTATION: admin_token_digest}
     return rolling_deployment(child_metadata(svc, svc.name), svc.replicas, selector_labels(svc.name),
-                              labels(svc.name), annotations, pod_spec)
+                              pod_labels(svc.name), annotations, pod_spec)
 
 
 def rolling_deployment(metadata: dict, replicas: int, selector: dict[str, str], pod_labels: dict[str, str],

@@ -12,6 +12,10 @@ HTTP_PORT = wire.HTTP_PORT
 ADMIN_PORT = wire.ADMIN_PORT  # /admin/* only (`iterserve serve --admin-port`), reachable from the operator alone
 ADMIN_PORT_NAME = "admin"
 ANNOTATION_PREFIX = "iterserve.io/"
+# the Service sends new requests to the server pods labelled `in` (the pod template's value); the operator
+# relabels a backlogged pod `out` while its peers catch up (tuning/rotation.py)
+ROTATION_LABEL = ANNOTATION_PREFIX + "rotation"
+IN_ROTATION, OUT_OF_ROTATION = "in", "out"
 
 
 def knobs_configmap_name(name: str) -> str:
@@ -32,6 +36,11 @@ def labels(name: str) -> dict[str, str]:
             MANAGED_BY_LABEL: MANAGED_BY}
 
 
+def pod_labels(name: str) -> dict[str, str]:
+    """The server pod template's labels: `labels` and the rotation's starting value."""
+    return {**labels(name), ROTATION_LABEL: IN_ROTATION}
+
+
 def router_name(name: str) -> str:
     """The router's Deployment (and its NetworkPolicy)."""
     return f"{name}-router"
@@ -43,9 +52,9 @@ def pods_service_name(name: str) -> str:
 
 
 def router_selector_labels(name: str) -> dict[str, str]:
-    """What selects the router's pods: the same keys as `selector_labels` (so the Service `<name>` switches
-    between them by value alone) and a different name, so that nothing selecting the server pods (their
-    Deployment, the PDB, the tuner's pod list, status.selector) ever takes a router pod."""
+    """What selects the router's pods: the keys of `selector_labels` with a different name, so that nothing
+    selecting the server pods (their Deployment, the PDB, the tuner's pod list, status.selector) ever takes
+    a router pod (the Service `<name>` switches selectors whole: an apply replaces an atomic map)."""
     return {"app.kubernetes.io/name": "iterserve-router", "app.kubernetes.io/instance": name}
 
 
