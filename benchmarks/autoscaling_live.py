@@ -61,6 +61,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from benchmarks.autoscaling import Hpa  # noqa: E402
 from benchmarks.tuning_load import Phase, StepLoad, send_load, share_within, window_figures  # noqa: E402
 from iterserve.bench.report import itls  # noqa: E402
+from iterserve.operator.builders.labels import IN_ROTATION, ROTATION_LABEL  # noqa: E402
 from iterserve.operator.constants import GROUP, PLURAL, VERSION  # noqa: E402
 from tests.dns_standin import HostsDns  # noqa: E402
 from tests.kube_support import start_cluster  # noqa: E402
@@ -213,7 +214,8 @@ class Live:
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LLMService",
                 "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}
         self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
-        service = ServiceStandin(self.client, NAMESPACE, f"app.kubernetes.io/instance={name}").start()
+        service = ServiceStandin(self.client, NAMESPACE, f"app.kubernetes.io/instance={name}",
+                                 endpoint_labels={ROTATION_LABEL: IN_ROTATION}).start()
         wait_until(lambda: service.endpoints(), timeout=600, what=f"{name}'s first pod Ready", interval=0.5)
         return service
 

@@ -3,11 +3,13 @@ that tests/kubelet_standin.py runs: there is no kube-proxy here, so the client a
 each request goes.
 
 `ServiceStandin` watches the pods of one label selector through the API server. Its endpoints are the
-pods that are Ready and not terminating (a deleted pod leaves them at once, as the endpoints controller
-drops a pod with a deletionTimestamp; its preStop hook keeps it serving meanwhile), and `next_url()` hands
-them out in turn (kube-proxy's IPVS round-robin; its iptables mode picks at random, the same share on
-average). It also keeps the fleet's timeline, every change of the pods that exist (bound, starting,
-serving or draining) and of the endpoints, from which `pod_seconds` counts what a run spent.
+pods that are Ready, not terminating and carry `endpoint_labels` (the rest of the Service's selector: the
+operator's rotation label, which it changes on running pods). A deleted pod leaves them at once, as the
+endpoints controller drops a pod with a deletionTimestamp (its preStop hook keeps it serving meanwhile),
+and `next_url()` hands them out in turn (kube-proxy's IPVS round-robin; its iptables mode picks at
+random, the same share on average). It also keeps the fleet's timeline, every change of the pods that
+exist (bound, starting, serving or draining) and of the endpoints, from which `pod_seconds` counts what a
+run spent.
 """
 
 from __future__ import annotations
@@ -25,18 +27,23 @@ class NoEndpoints(RuntimeError):
     pass
 
 
-def is_endpoint(pod: dict) -> bool:
-    """Ready, with an address, and not terminating: what a Service's ready endpoints hold."""
+def is_endpoint(pod: dict, endpoint_labels: dict[str, str] | None = None) -> bool:
+    """Ready, with an address, not terminating and selected: what a Service's ready endpoints hold."""
     if pod["metadata"].get("deletionTimestamp") or not (pod.get("status") or {}).get("podIP"):
+        return False
+    labels = pod["metadata"].get("labels") or {}
+    if any(labels.get(key) != value for key, value in (endpoint_labels or {}).items()):
         return False
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 class ServiceStandin:
-    def __init__(self, api_client, namespace: str, selector: str, port: int = 8000, clock=time.perf_counter):
+    def __init__(self, api_client, namespace: str, selector: str, port: int = 8000, clock=time.perf_counter,
+                 endpoint_labels: dict[str, str] | None = None):
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.namespace, self.selector, self.port = namespace, selector, port
+        self.endpoint_labels = endpoint_labels
         self.clock = clock
         self._pods: dict[str, dict] = {}
         self._turn = itertools.count()
@@ -66,7 +73,8 @@ class ServiceStandin:
 
     def endpoints(self) -> list[str]:
         with self._lock:
-            return sorted(f"http://{p['status']['podIP']}:{self.port}" for p in self._pods.values() if is_endpoint(p))
+            return sorted(f"http://{p['status']['podIP']}:{self.port}" for p in self._pods.values()
+                          if is_endpoint(p, self.endpoint_labels))
 
     def next_url(self) -> str:
         urls = self.endpoints()
@@ -117,7 +125,7 @@ class ServiceStandin:
                 self._stopped.wait(0.5)
 
     def _record(self) -> None:
-        entry = (len(self._pods), sum(is_endpoint(p) for p in self._pods.values()))
+        entry = (len(self._pods), sum(is_endpoint(p, self.endpoint_labels) for p in self._pods.values()))
         if not self.timeline or self.timeline[-1][1:] != entry:
             self.timeline.append((self.clock(), *entry))
 

@@ -21,6 +21,7 @@ import threading
 import httpx
 import pytest
 
+from iterserve.operator.builders.labels import IN_ROTATION, ROTATION_LABEL
 from iterserve.operator.tuning.pod_admin import get_scheduler
 from tests.kubelet_standin import LocalKubelet
 from tests.operator_support import (
@@ -105,7 +106,8 @@ def test_scales_out_when_the_knobs_are_spent_and_in_without_a_failed_request(kub
                                                                               operator, tiny_dir):
     kube, ns = admin_kube(kube_cluster), kube_namespace
     with LocalKubelet(kube_cluster, namespace=ns, model_paths={"/models/tiny": tiny_dir}, prestop=True) as kubelet, \
-            ServiceStandin(kube_cluster.api_client(), ns, f"app.kubernetes.io/instance={NAME}") as service:
+            ServiceStandin(kube_cluster.api_client(), ns, f"app.kubernetes.io/instance={NAME}",
+                           endpoint_labels={ROTATION_LABEL: IN_ROTATION}) as service:
         # the objective: p99 TTFT within 2 request times: at max_num_seqs 2 the 8 clients queue 3 deep on one
         # pod, past it, and 1 deep on each of two
         first = {k: v for k, v in SPEC.items() if k not in ("autoscaling", "tuning")}  # spec.engine's knobs

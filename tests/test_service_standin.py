@@ -27,6 +27,20 @@ def test_is_endpoint(p, expected):
     assert is_endpoint(p) is expected
 
 
+ROTATION = {"iterserve.io/rotation": "in"}
+
+
+@pytest.mark.parametrize("labels, expected", [
+    (ROTATION, True),
+    ({"iterserve.io/rotation": "out"}, False),  # the operator took it out of the Service's rotation
+    ({}, False),  # the Service's selector asks for the label
+])
+def test_is_endpoint_only_with_the_rest_of_the_services_selector(labels, expected):
+    p = pod()
+    p["metadata"]["labels"] = labels
+    assert is_endpoint(p, ROTATION) is expected
+
+
 TIMELINE = [(0.0, 1, 0), (5.0, 1, 1), (10.0, 2, 1), (20.0, 1, 1)]
 
 
