@@ -1,5 +1,7 @@
 """Traffic from pods in the cluster while the cluster changes things: a rollout under a bench, a pod
-deleted in the middle of its streams, the tuner changing knobs under load. Nothing a client sent fails."""
+deleted in the middle of its streams, the tuner changing knobs under load, a pod with a standing queue
+taken out of the Service's rotation (the real endpoints controller and kube-proxy) and back. Nothing a
+client sent fails."""
 
 from __future__ import annotations
 
@@ -82,3 +84,39 @@ def test_tuner_changes_knobs_under_load_without_a_restart(namespace):
     (same,) = ready_pods(ns, "chat")
     assert same["metadata"]["uid"] == pod["metadata"]["uid"] and restarts(same) == 0
     assert get("deployment", "chat", ns)["metadata"]["generation"] == generation
+
+
+def rotation_of(ns: str, pod: dict) -> str | None:
+    return ((get("pod", pod["metadata"]["name"], ns) or {})["metadata"].get("labels") or {}).get(
+        "iterserve.io/rotation")
+
+
+def endpoint_ips(ns: str, name: str = "chat") -> set[str]:
+    """The ready addresses the Endpoints controller gives the Service: where kube-proxy sends its clients."""
+    endpoints = get("endpoints", name, ns) or {}
+    return {a["ip"] for subset in endpoints.get("subsets") or () for a in subset.get("addresses") or ()}
+
+
+def test_a_pod_with_a_standing_queue_leaves_the_service_until_it_drains(namespace):
+    ns = namespace
+    # max_num_seqs held at 1 by its bounds: 8 clients sent straight to one pod queue 7 deep there, its peer idle
+    spec = {**SPEC, "replicas": 2, "engine": {**SPEC["engine"], "maxNumSeqs": 1},
+            "slo": {"ttftP99Ms": 60000, "itlP99Ms": 60000},
+            "tuning": {"mode": "auto", "intervalSeconds": 5, "windowSeconds": 30,
+                       "bounds": {"maxNumSeqs": {"min": 1, "max": 1}}}}
+    apply_service(ns, spec)
+    wait_until(lambda: len(ready_pods(ns, "chat")) == 2, "2 pods ready", timeout=READY_TIMEOUT, interval=3)
+    busy, idle = ready_pods(ns, "chat")
+    both = {busy["status"]["podIP"], idle["status"]["podIP"]}
+    wait_until(lambda: endpoint_ips(ns) == both, "both pods in the Service's endpoints")
+    flood = ClientPod(ns, "bench", f"http://{busy['status']['podIP']}:8000", "--concurrency", "8",
+                      "--output-len", "32", prefix="flood")
+    flood.wait_for_line("LOAD STARTED")
+    wait_until(lambda: rotation_of(ns, busy) == "out", "the operator to take the busy pod out of rotation", interval=1)
+    wait_until(lambda: endpoint_ips(ns) == {idle["status"]["podIP"]}, "the Service's endpoints without it", interval=1)
+    assert len(ready_pods(ns, "chat")) == 2  # still Ready, still serving its queue
+    flood.stop()
+    result = flood.summary()
+    assert result["errors"] == [] and result["ok"] > 0, result
+    wait_until(lambda: rotation_of(ns, busy) == "in", "the drained pod back in rotation", interval=1)
+    wait_until(lambda: endpoint_ips(ns) == both, "both pods in the Service's endpoints again", interval=1)

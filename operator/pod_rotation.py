@@ -31,10 +31,11 @@ def set_rotation(kube: Kube, pod: dict, value: str) -> bool:
     return True
 
 
-def rotate(kube: Kube, svc: LLMService, pods: Mapping[str, dict], waiting: Mapping[str, float]) -> list[str]:
+def rotate(kube: Kube, svc: LLMService, pods: Mapping[str, dict],
+           waiting: Mapping[str, float]) -> tuple[frozenset[str], list[str]]:
     """One tick of rotation over the ready `pods` (by URL) with each read pod's requests waiting now
-    (`waiting`; a pod not read is put in: without a reading it is a plain endpoint). Returns what
-    changed, one `<pod> in|out (...)` each."""
+    (`waiting`; a pod not read is put in: without a reading it is a plain endpoint). Returns the pods
+    out now and what changed, one `<pod> in|out (...)` each."""
     active = rotation_active(svc.tuning.mode, svc.router.enabled)
     now_out = {url for url, pod in pods.items() if rotation_of(pod) == OUT_OF_ROTATION}
     out = out_of_rotation({u: w for u, w in waiting.items() if u in pods}, now_out) if active else frozenset()
@@ -47,7 +48,7 @@ def rotate(kube: Kube, svc: LLMService, pods: Mapping[str, dict], waiting: Mappi
             changes.append(f"{pod['metadata']['name']} {value} ({why if active else 'rotation off'})")
     if changes:
         logger.info("%s/%s: rotation: %s", svc.namespace, svc.name, "; ".join(changes))
-    return changes
+    return out, changes
 
 
 def ensure_rotation_labels(kube: Kube, svc: LLMService, pods: Iterable[dict]) -> list[str]:

@@ -226,7 +226,9 @@ class TuningLoop:
         (Prometheus) leaves every pod in."""
         waiting = self.source.waiting_now(list(self._pods), record.time) if isinstance(self.source, PodScraper) else {}
         try:
-            rotate(self.kube, svc, self._pods, waiting)
+            out, _ = rotate(self.kube, svc, self._pods, waiting)
+            if self.metrics is not None:
+                self.metrics.set_out_of_rotation(self.namespace, self.name, len(out))
         except (ApiException, RuntimeError) as e:  # a pod gone meanwhile: the next tick lists afresh
             logger.warning("%s/%s: rotation: %s", self.namespace, self.name, short_error(e))
 

@@ -16,6 +16,7 @@ from iterserve.common.wire import HTTP_PORT, WAITING
 from iterserve.operator import controller
 from iterserve.operator.builders.labels import ROTATION_LABEL, selector_string
 from iterserve.operator.tuning.observe import PodScraper
+from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 from iterserve.operator.tuning_loop import TuningLoop
 from tests.operator_support import TIMEOUT, admin_kube, apply_llmservice, merge_patch_llmservice
 from tests.waiting import wait_until
@@ -97,10 +98,13 @@ def test_a_pod_whose_queue_stands_leaves_the_service_until_it_drains(kube_cluste
     wait_until(lambda: endpoint_addresses(kube, ns) == set(ADDRESSES), timeout=TIMEOUT, what="3 pods selected")
     assert set(labels_by_address(kube, ns).values()) == {"in"}  # the pod template's value
 
-    loop = TuningLoop(kube, ns, "chat", PodScraper(timeout=2.0))
+    metrics = OperatorMetrics()
+    loop = TuningLoop(kube, ns, "chat", PodScraper(timeout=2.0), metrics)
     queues.waiting.update({ADDRESSES[0]: 130.0, ADDRESSES[1]: 1.0, ADDRESSES[2]: 0.0})  # a step's backlog on one
     loop.run_once(kube.get_llmservice(ns, "chat"))
     assert labels_by_address(kube, ns) == {ADDRESSES[0]: "out", ADDRESSES[1]: "in", ADDRESSES[2]: "in"}
+    assert b'iterserve_operator_pods_out_of_rotation{namespace="%s",service="chat"} 1.0' % ns.encode() \
+        in metrics.render()
     wait_until(lambda: endpoint_addresses(kube, ns) == set(ADDRESSES[1:]), timeout=TIMEOUT,
                what="the backlogged pod no longer selected")
 

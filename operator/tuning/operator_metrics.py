@@ -28,6 +28,9 @@ class OperatorMetrics:
                               "(0..1) over the last window.", SERVICE, registry=r)
         self.tuned = Gauge("iterserve_operator_tuned", "The Tuned condition: 1 True, 0 False, -1 Unknown.",
                            SERVICE, registry=r)
+        self.out_of_rotation = Gauge("iterserve_operator_pods_out_of_rotation", "Ready pods the operator has "
+                                     "taken out of the Service's rotation while their queue drains.", SERVICE,
+                                     registry=r)
         self._children: dict[tuple[str, str], set] = {}  # service -> (metric, label values) it has, for forget
 
     def _child(self, metric, namespace: str, name: str, *more: str):
@@ -54,6 +57,9 @@ class OperatorMetrics:
     def set_knobs(self, namespace: str, name: str, knobs: Knobs) -> None:
         for knob, value in knobs.as_dict().items():
             self._child(self.knob, namespace, name, knob).set(value)
+
+    def set_out_of_rotation(self, namespace: str, name: str, pods: int) -> None:
+        self._child(self.out_of_rotation, namespace, name).set(pods)
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop every series of a deleted service."""
