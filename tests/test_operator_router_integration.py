@@ -31,6 +31,7 @@ __all__ = ["operator", "operator_rbac"]  # fixtures, used by name
 
 SERVER_PODS = {"app.kubernetes.io/name": "iterserve", "app.kubernetes.io/instance": "chat"}
 ROUTER_PODS = {"app.kubernetes.io/name": "iterserve-router", "app.kubernetes.io/instance": "chat"}
+IN_ROTATION = {**SERVER_PODS, "iterserve.io/rotation": "in"}  # the server pods the Service `chat` sends to
 GATEWAY = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
 WITH_ROUTER = {"Deployment": ["chat", "chat-router"], "Service": ["chat", "chat-pods"],
                "ConfigMap": ["chat-knobs"], "PodDisruptionBudget": [], "NetworkPolicy": ["chat", "chat-router"]}
@@ -84,7 +85,7 @@ def test_router_on_then_off(kube_cluster, kube_namespace, operator):
     ingress = kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, "chat")["spec"]["ingress"]
     assert {"podSelector": {"matchLabels": ROUTER_PODS}} in ingress[1]["from"]  # the router reaches the pods
     # no router pod ready yet: clients stay on the server pods
-    assert kube.get("v1", "Service", ns, "chat")["spec"]["selector"] == SERVER_PODS
+    assert kube.get("v1", "Service", ns, "chat")["spec"]["selector"] == IN_ROTATION
 
     # the server pod ready (without an IP: nothing to call), the router not yet
     wait_until(lambda: kube.list("v1", "Pod", ns, selector(SERVER_PODS)), timeout=TIMEOUT, what="the server pod")
@@ -110,7 +111,7 @@ def test_router_on_then_off(kube_cluster, kube_namespace, operator):
 
     merge_patch_llmservice(kube_cluster, ns, "chat", {"spec": {"router": {"enabled": False}}})
     wait_until(lambda: children_of(kube, ns, "chat") == WITHOUT_ROUTER, timeout=TIMEOUT, what="the router removed")
-    assert kube.get("v1", "Service", ns, "chat")["spec"]["selector"] == SERVER_PODS
+    assert kube.get("v1", "Service", ns, "chat")["spec"]["selector"] == IN_ROTATION
     ingress = kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, "chat")["spec"]["ingress"]
     assert ingress[1]["from"] == [GATEWAY]
     # garbage collection takes the router's ReplicaSet and pods with its Deployment (the pods, bound to a
