@@ -4,7 +4,7 @@ a grid, side by side in one run.
 
     python benchmarks/autoscaling.py [--fleets 2,4,8,16,32] [--seeds 3] [--thresholds 0.5,1,2,4,8,16]
                                      [--routings round-robin,least-load] [--max-replicas 2] [--min-replicas 1]
-                                     [--scenario tuning-tests|live-fit|live-fit-shared]
+                                     [--scenario tuning-tests|live-fit|live-fit-shared] [--no-rotation]
                                      [--out benchmarks/results/autoscaling.json]   # a few minutes here
 
 What runs is a scenario (benchmarks/fleet_scenario.py): the table of record's, described below, or the
@@ -14,9 +14,11 @@ a 20-s window, the SLO judged on back-to-back 20-s windows), load and pod starts
 The fleet (benchmarks/fleet_sim.py): pods of the latency model the tuning tests use
 (tests/tuning_latency_model.py: M/M/c-like queueing, a backlog above capacity, ITL growing with the batch
 and the chunk, 8% multiplicative noise) behind the routing each configuration has: `round-robin` (a plain
-Service: every ready pod the same share) or `least-load` (spec.router: a pod with a longer queue gets no
-new requests until it has drained to its peers' level); every controller is compared behind the same
-routing. A new pod is ready `--start-s` after it is asked for, a removed pod's queue goes to the others
+Service with the operator's rotation: every ready pod the same share but those more than 4 requests
+behind the shortest queue, which get none until they are within 2 of it; `--no-rotation`: a plain Service
+alone, every ready pod the same share) or `least-load` (spec.router: a pod with a longer queue gets no
+new requests until it has drained to its peers' level; no rotation); every controller is compared behind
+the same routing. A new pod is ready `--start-s` after it is asked for, a removed pod's queue goes to the others
 (it drains: nothing is lost). Every tick (30 s, a 30-s window, in the table of record's) the fleet's
 window is every pod's merged as the operator merges the pods' /metrics: rates and queues summed, p99s the
 quantile of the summed histograms (`--fleet-p99 worst-pod`: the worst pod's p99, which grows with the
@@ -34,6 +36,10 @@ pods' worth (20, 40, 40, 30 ticks), starting from knobs far from tuned (max_num_
   tuner's knobs (the tuner in auto mode beside it, as a user of both would run them); best threshold:
   the cheapest that reaches 99% of windows within the SLO after convergence, else the one with the most
   windows within it.
+Every controller runs the tuner in auto mode, and rotation is part of the operator in auto mode, so all
+three rotate behind round-robin. An HPA user without the operator has no rotation, so behind round-robin
+the HPA's grid is the thresholds with rotation and without, and its best is chosen over both (the row
+says which: "no rot" for the plain Service alone).
 Reported per fleet size and routing (medians over seeds): windows within the SLO (all; after convergence,
 leaving out the windows that overlap the settling after each step of the load: 10 ticks in the table of
 record's) and replica-seconds.
@@ -139,14 +145,15 @@ class Probe(Protocol):
 def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, start_s: float | None = None,
              routing: str = "round-robin", fleet_p99: str = "merged", max_replicas: int | None = None,
              probe: Probe | None = None, min_replicas: int = 1, scaler: ScaleFn = decide_scale,
-             tuner_hold: HoldFn | None = None, scenario: Scenario = TUNING_TESTS) -> Run:
+             tuner_hold: HoldFn | None = None, scenario: Scenario = TUNING_TESTS, rotation: bool = True) -> Run:
     """One run; `min_replicas` and `max_replicas` (default 1 and 2F) bound the autoscaler and the HPA alike;
     `start_s` (default the scenario's) is how long a new pod takes to be ready; `scaler` is the autoscaler's
     decision (the product's, or a variant benchmarks/autoscaling_whatif.py tries); `tuner_hold`, a variant the
     product does not have: the tuner's moves are held back (preemptions excepted) on the ticks it gives a
     reason for. Where the scenario's window is several ticks long, the controllers read the ticks of the last
     window (since the last knob change, as the operator's window never reaches back past one), and the SLO is
-    judged on back-to-back windows."""
+    judged on back-to-back windows. `rotation`: the operator's rotation behind round-robin (False: a plain
+    Service alone; least-load never rotates)."""
     sc, policy = scenario, scenario.policy
     tick_s, per_window = sc.tick_s, sc.window_ticks
     rates = load(fleet, sc)
@@ -154,7 +161,7 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
     per_pod = CAPACITY if sc is TUNING_TESTS else sc.slo_capacity()
     first = max(min_replicas, math.ceil(rates[0][0] / (per_pod * 0.9)))
     sim = FleetSim(first, seed, sc.start_s if start_s is None else start_s, routing, fleet_p99, sc.model,
-                   sc.shared_cores)
+                   sc.shared_cores, rotation)
     run, tuner, scaler_state = Run(), TunerState(sc.start), ScaleState()
     hi = 2 * fleet if max_replicas is None else max_replicas
     scale_policy = ScalePolicy(min_replicas=min_replicas, max_replicas=hi, scale_down_window_s=sc.scale_down_s,
@@ -215,40 +222,61 @@ def median_summary(runs: list[Run]) -> dict:
     return {k: statistics.median(s[k] for s in sums) for k in sums[0]}
 
 
-def best_hpa(by_threshold: dict[float, dict]) -> tuple[float, dict]:
-    passing = {t: s for t, s in by_threshold.items() if s["within_slo_settled"] >= 0.99}
+def best_hpa(grid: dict[tuple[float, bool], dict]) -> tuple[tuple[float, bool], dict]:
+    """The best of the HPA's `grid` ({(threshold, rotation): summary}): the cheapest that reaches 99% of
+    windows within the SLO after convergence, else the one with the most windows within it; (key, summary)."""
+    passing = {k: s for k, s in grid.items() if s["within_slo_settled"] >= 0.99}
     if passing:
         return min(passing.items(), key=lambda kv: kv[1]["replica_s"])
-    return max(by_threshold.items(), key=lambda kv: kv[1]["within_slo_settled"])
+    return max(grid.items(), key=lambda kv: kv[1]["within_slo_settled"])
 
 
 def compare(fleet: int, routing: str, seeds: range, thresholds: list[float], start_s: float | None,
-            fleet_p99: str = "merged", max_factor: int = 2, lo: int = 1, scenario: Scenario = TUNING_TESTS) -> dict:
-    """One fleet size behind one routing: the three controllers, the HPA at each threshold."""
-    row: dict = {"fleet": fleet, "routing": routing}
+            fleet_p99: str = "merged", max_factor: int = 2, lo: int = 1, scenario: Scenario = TUNING_TESTS,
+            rotation: bool = True) -> dict:
+    """One fleet size behind one routing: the three controllers, the HPA at each threshold (behind
+    round-robin with rotation, at each threshold with rotation and without: `hpa` and `hpa_no_rotation`).
+    `rotation` is whether the operator rotates pods behind round-robin (the row's `rotation`)."""
+    rotation = rotation and routing == "round-robin"
+    row: dict = {"fleet": fleet, "routing": routing, "rotation": rotation}
     hi = max_factor * fleet
     for name in ("knobs", "replicas"):
         row[name] = median_summary([simulate(fleet, s, name, 0.0, start_s, routing, fleet_p99, hi, min_replicas=lo,
-                                             scenario=scenario) for s in seeds])
-    row["hpa"] = {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99, hi,
-                                                    min_replicas=lo, scenario=scenario) for s in seeds])
-                  for th in thresholds}
-    th, best = best_hpa({float(k): v for k, v in row["hpa"].items()})
-    row["best_hpa_threshold"] = th
+                                             scenario=scenario, rotation=rotation) for s in seeds])
+
+    def grid(rot: bool) -> dict:
+        return {str(th): median_summary([simulate(fleet, s, "hpa", th, start_s, routing, fleet_p99, hi,
+                                                  min_replicas=lo, scenario=scenario, rotation=rot) for s in seeds])
+                for th in thresholds}
+
+    row["hpa"] = grid(rotation)
+    configs = {(float(k), rotation): v for k, v in row["hpa"].items()}
+    if rotation:  # an HPA user without the operator: a plain Service alone
+        row["hpa_no_rotation"] = grid(False)
+        configs |= {(float(k), False): v for k, v in row["hpa_no_rotation"].items()}
+    (th, rot), best = best_hpa(configs)
+    row["best_hpa_threshold"], row["best_hpa_rotation"] = th, rot
     ours = row["replicas"]
     row["replica_s_ratio_to_best_hpa"] = ours["replica_s"] / best["replica_s"]
     row["pass"] = ours["within_slo_settled"] >= 0.99 and ours["replica_s"] <= best["replica_s"]
     return row
 
 
+def hpa_label(row: dict) -> str:
+    """The best HPA's configuration: its threshold, and behind round-robin whether it rotates."""
+    th, rot = row["best_hpa_threshold"], row["best_hpa_rotation"]
+    return f"HPA queue, best {th:g}" + ("" if row["routing"] != "round-robin" else ", rot" if rot else ", no rot")
+
+
 def print_row(row: dict) -> None:
-    th = row["best_hpa_threshold"]
-    best, hpa = row["hpa"][str(th)], f"HPA queue, best {th:g}"
+    th, rot = row["best_hpa_threshold"], row["best_hpa_rotation"]
+    best = row["hpa" if rot == row["rotation"] else "hpa_no_rotation"][str(th)]
+    hpa = hpa_label(row)
     for label, s in (("knobs only", row["knobs"]), ("knobs + replicas", row["replicas"]), (hpa, best)):
         ratio = f"{s['replica_s'] / best['replica_s']:.2f}x" if label != hpa else ""
-        print(f"{row['fleet']:>5} | {row['routing']:<11} | {label:<22} | {s['within_slo']:>7.1%} | "
+        print(f"{row['fleet']:>5} | {row['routing']:<11} | {label:<27} | {s['within_slo']:>7.1%} | "
               f"{s['within_slo_settled']:>7.1%} | {s['replica_s']:>9.0f} | {s['peak_replicas']:>4.0f} | {ratio}")
-    print(f"{'':>5} | {'':<11} | {'target':<22} | {'':>7} | {'>=99%':>7} | {'<= best':>9} | {'':>4} | "
+    print(f"{'':>5} | {'':<11} | {'target':<27} | {'':>7} | {'>=99%':>7} | {'<= best':>9} | {'':>4} | "
           f"{'PASS' if row['pass'] else 'MISS'}")
 
 
@@ -270,6 +298,8 @@ def main(argv=None) -> int:
                     help="maxReplicas as K times the fleet size F, for the autoscaler and the HPA alike")
     ap.add_argument("--min-replicas", type=int, default=1, metavar="N",
                     help="minReplicas for the autoscaler and the HPA alike (and the fleet's least at the start)")
+    ap.add_argument("--no-rotation", action="store_true",
+                    help="round-robin without the operator's rotation (a plain Service alone), for every controller")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     fleets = [int(x) for x in args.fleets.split(",")]
@@ -284,12 +314,12 @@ def main(argv=None) -> int:
         print(f"scenario {scenario.name}: t0 {m['t0'] * 1e3:.2f} ms, {m['per_seq'] * 1e3:.2f} ms a sequence, "
               f"{m['per_prefill_token'] * 1e3:.3f} ms a prompt token; SLO {scenario.policy.ttft_p99_ms:g} / "
               f"{scenario.policy.itl_p99_ms:g} ms; a pod carries {scenario.slo_capacity():.2f} requests/s within it")
-    print(f"{'fleet':>5} | {'routing':<11} | {'controller':<22} | {'in SLO':>7} | {'settled':>7} | "
+    print(f"{'fleet':>5} | {'routing':<11} | {'controller':<27} | {'in SLO':>7} | {'settled':>7} | "
           f"{'replica-s':>9} | {'peak':>4} | vs best HPA")
     for fleet in fleets:
         for routing in routings:
             results.append(compare(fleet, routing, range(args.seeds), thresholds, args.start_s, args.fleet_p99,
-                                   args.max_replicas, args.min_replicas, scenario))
+                                   args.max_replicas, args.min_replicas, scenario, not args.no_rotation))
             print_row(results[-1])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

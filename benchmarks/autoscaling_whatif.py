@@ -1,11 +1,13 @@
 """What would have met the SLO where knobs + replicas misses in benchmarks/autoscaling.py: the same runs
 with one thing changed at a time, side by side, and a tick-by-tick trace of any of them.
 
-    python benchmarks/autoscaling_whatif.py [--fleet 2] [--routing round-robin] [--seeds 5]   # seconds
+    python benchmarks/autoscaling_whatif.py [--fleet 2] [--routing round-robin] [--seeds 5] [--no-rotation]   # seconds
     python benchmarks/autoscaling_whatif.py --trace 0 [--case "as is"] [--ticks 18-40]
 
-Cases (knobs + replicas unless named; medians over seeds):
-- `as is`: the benchmark's run (maxReplicas 2F, pods ready 60 s after they are asked for);
+Cases (knobs + replicas unless named; medians over seeds; `--no-rotation`: every case behind round-robin
+without the operator's rotation):
+- `as is`: the benchmark's run (maxReplicas 2F, pods ready 60 s after they are asked for; behind
+  round-robin, the operator's rotation of backlogged pods out of the Service);
 - `foresight`: maxReplicas asked for at the first instant of the peak, before any window shows it (no
   controller that reads windows can: the first one showing the peak ends a window into it);
 - `pre-provisioned`: maxReplicas ready when the peak begins (asked a pod start before it), which only a
@@ -16,11 +18,14 @@ Cases (knobs + replicas unless named; medians over seeds):
 - `tuner holds while scaling`: the tuner moves no knob (preemptions excepted) while pods a scale-out
   added are starting and for a window after the fleet last changed (`tuner_holds_while_scaling`), tried
   and not adopted (the product holds back a back-off of max_num_seqs only: operator/tuning/fleet_change.py);
+- `no rotation` (behind round-robin): a plain Service alone, without the operator's rotation
+  (operator/tuning/rotation.py): what the benchmark ran before it;
 - `least-load`: behind spec.router instead of the routing given.
 The trace prints, per tick: the load and the completions (requests/s), the replicas asked for and
-ready, each pod's backlog (requests queued beyond its steady state: where round-robin leaves a step's
-excess), the fleet's waiting queue and p99 TTFT as the operator pools them, whether the window met the
-SLO (`*`: within the settling ticks), the knobs, the tuner's verdict and the autoscaler's reason.
+ready, each pod's backlog at the window's end (requests queued beyond its steady state: where a plain
+Service leaves a step's excess; a trailing `o`: the pod was out of rotation during the window), the
+fleet's waiting queue and p99 TTFT as the operator pools them, whether the window met the SLO (`*`:
+within the settling ticks), the knobs, the tuner's verdict and the autoscaler's reason.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class Trace:
     hi: int
     plan: list[tuple[float, bool]]
     inner: Asks | None = None
+    tick_s: float = 30.0  # the pods listed are those ready for the tick's own window (not the merged window's)
 
     def before(self, tick: int, sim: FleetSim, t: float) -> None:
         if self.inner is not None:
@@ -94,7 +100,8 @@ class Trace:
         if not self.lo <= tick <= self.hi:
             return
         k = tuner.state.knobs
-        backlog = ",".join(f"{p.model.backlog:.0f}" for p in sim.pods if p.ready_at <= obs.start) or "-"
+        backlog = ",".join(f"{p.model.backlog:.0f}{'o' if p.name in sim.out else ''}" for p in sim.pods
+                           if p.ready_at <= obs.end - self.tick_s) or "-"
         why = scaled.reason if scaled is not None else ""
         settling = " " if self.plan[tick][1] else "*"
         print(f"{tick:>4} | {self.plan[tick][0]:>5.1f} | {obs.request_rate:>5.1f} | "
@@ -148,6 +155,7 @@ def cases(fleet: int, routing: str, start_s: float, scenario: Scenario = TUNING_
         "minReplicas 2": {"min_replicas": 2},
         "pod more on waiting queue": {"scaler": out_on_waiting},
         "tuner holds while scaling": {"tuner_hold": tuner_holds_while_scaling},
+        "no rotation": {"rotation": False},
         "least-load": {"routing": "least-load"},
     } if routing != "least-load" else {"as is": {}, "foresight": {"asks": Asks(peak, hi)},
                                        "pod more on waiting queue": {"scaler": out_on_waiting},
@@ -178,6 +186,8 @@ def main(argv=None) -> int:
                     help="benchmarks/fleet_scenario.py's: the tuning tests' model, or it fitted to the live pods")
     ap.add_argument("--start-s", type=float, default=None, help="seconds a new pod takes to be ready "
                     "(default: the scenario's)")
+    ap.add_argument("--no-rotation", action="store_true",
+                    help="every case behind round-robin as a plain Service alone (no operator's rotation)")
     ap.add_argument("--trace", type=int, metavar="SEED", help="print one seed's run tick by tick")
     ap.add_argument("--case", default="as is", help="the case to trace")
     ap.add_argument("--ticks", default=None, help="the ticks to trace, LO-HI (default: from 2 before the peak, 22)")
@@ -185,6 +195,8 @@ def main(argv=None) -> int:
     scenario = SCENARIOS[args.scenario]()
     start_s = scenario.start_s if args.start_s is None else args.start_s
     table = cases(args.fleet, args.routing, start_s, scenario)
+    if args.no_rotation:
+        table = {name: kw | {"rotation": False} for name, kw in table.items()}
     if args.trace is not None:
         if args.case not in table:
             ap.error(f"--case: one of {', '.join(table)}")
@@ -193,9 +205,10 @@ def main(argv=None) -> int:
         print(f"{'tick':>4} | {'load':>5} | {'done':>5} | {'n/rdy':<5} | {'backlog per ready pod':<22} | "
               f"{'waiting':>7} | {'TTFT99':>7} | SLO  | {'knobs':<8} | {'tuner':<14} | autoscaler")
         run_case(args.fleet, args.trace, args.routing, start_s, table[args.case],
-                 Trace(lo, hi, load(args.fleet, scenario)), scenario)
+                 Trace(lo, hi, load(args.fleet, scenario), tick_s=scenario.tick_s), scenario)
         return 0
-    print(f"F = {args.fleet}, {args.routing}, {args.seeds} seeds, scenario {scenario.name}")
+    rotation = "" if args.routing != "round-robin" else ", no rotation" if args.no_rotation else ", rotation"
+    print(f"F = {args.fleet}, {args.routing}{rotation}, {args.seeds} seeds, scenario {scenario.name}")
     print(f"{'case':<28} | {'after convergence':>17} | {'missed per seed':<18} | {'replica-s':>9}")
     for name, kw in table.items():
         runs_ = [run_case(args.fleet, seed, args.routing, start_s, kw, scenario=scenario) for seed in range(args.seeds)]

@@ -3,13 +3,19 @@ product has, a new pod ready a fixed time after it is asked for, a removed pod's
 
 Two routings, one per way a service is reached:
 - `round-robin`: a plain Kubernetes Service (kube-proxy picks a ready endpoint per connection, blind to
-  load): every ready pod gets the same share of the arrivals, so a backlog a pod took before its peers
-  were ready stays on it and drains only at what its capacity has left over its share.
+  load) with the operator's rotation (operator/tuning/rotation.py, in tuning mode auto without
+  spec.router): every tick the operator takes out of the Service's endpoints each pod whose queue is more
+  than `GAP` (4) requests longer than the shortest, and puts it back once it is within half of that; the
+  pods in rotation get the same share of the arrivals, a pod out none (it keeps serving its queue). Here
+  the queue it reads is a pod's backlog (requests beyond its steady state: pods of one model at the same
+  knobs and share differ only by it) at the window's start, as the operator reads the gauge once a tick.
+  With `rotation=False`, a plain Service alone: every ready pod the same share, so a backlog a pod took
+  before its peers were ready stays on it and drains only at what its capacity has left over its share.
 - `least-load`: `spec.router` with its default policy (router/policy.py's `LeastLoad`: the pod with the
   least work ahead, prompt tokens to prefill and requests; a fluid of equal requests has no prompt of its
   own, so here the queue alone). As a fluid: a pod whose queue is longer than its peers' gets no new
   arrivals until it has drained to their level, then an even share; when the whole fleet is over
-  capacity, arrivals keep the queues level (water-filling).
+  capacity, arrivals keep the queues level (water-filling). The operator does not rotate behind it.
 
 The fleet's p99s are what the operator computes (operator/tuning/observe.py): the quantile of the pods'
 histograms summed, not the worst pod's p99 (`--fleet-p99 worst-pod` keeps that older, harsher reading for
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 
 from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.observation import Observation
+from iterserve.operator.tuning.rotation import out_of_rotation
 from tests.tuning_latency_model import LatencyModel
 
 ROUTINGS = ("round-robin", "least-load")
@@ -33,11 +40,19 @@ FLEET_P99S = ("merged", "worst-pod")
 class Pod:
     model: LatencyModel
     ready_at: float
+    name: str = ""  # stable for the pod's life: the key of the rotation's set
 
 
 def even(backlogs: list[float], capacity: float, rate: float, dt: float) -> list[float]:
     """Round-robin: the same share for every pod, whatever its queue."""
     return [rate / len(backlogs)] * len(backlogs)
+
+
+def in_rotation(out: list[bool], rate: float) -> list[float]:
+    """Round-robin over the pods in rotation (`out`: each pod out of it or not): the same share for each
+    pod in, none for a pod out."""
+    k = len(out) - sum(out)
+    return [0.0 if o else rate / k for o in out]
 
 
 def least_load(backlogs: list[float], capacity: float, rate: float, dt: float) -> list[float]:
@@ -110,18 +125,23 @@ def merge_windows(subs: list[Observation]) -> Observation:
 
 class FleetSim:
     """Pods of the latency model (`model`: its parameters) behind `routing` (one of ROUTINGS); with
-    `shared_cores` ({pods: speed}), each ready pod runs at the speed the number of ready pods allows."""
+    `shared_cores` ({pods: speed}), each ready pod runs at the speed the number of ready pods allows.
+    `rotation` (round-robin only; least-load never rotates): the operator's rotation of backlogged pods
+    out of the Service; `out` holds the names of the pods out of it in the last window."""
 
     def __init__(self, replicas: int, seed: int, start_s: float, routing: str = "round-robin",
-                 fleet_p99: str = "merged", model: dict | None = None, shared_cores: dict[int, float] | None = None):
+                 fleet_p99: str = "merged", model: dict | None = None, shared_cores: dict[int, float] | None = None,
+                 rotation: bool = True):
         self.seed, self.start_s, self.made, self.route = seed, start_s, 0, ROUTE[routing]
+        self.rotation = rotation and routing == "round-robin"
+        self.out: frozenset[str] = frozenset()
         self.worst = {"merged": False, "worst-pod": True}[fleet_p99]
         self.model, self.shared_cores = model or {}, shared_cores or {}
         self.pods = [self._pod(-1.0) for _ in range(replicas)]
 
     def _pod(self, ready_at: float) -> Pod:
         self.made += 1
-        return Pod(LatencyModel(**self.model, seed=self.seed * 1000 + self.made), ready_at)
+        return Pod(LatencyModel(**self.model, seed=self.seed * 1000 + self.made), ready_at, f"pod-{self.made}")
 
     def resize(self, replicas: int, now: float) -> None:
         while len(self.pods) < replicas:
@@ -140,7 +160,11 @@ class FleetSim:
             p.model.slowdown = 1.0 / self.shared_cores.get(len(ready), 1.0)
         capacity = ready[0].model.steady(knobs, rate / len(ready)).capacity  # one model, one setting: equal
         before = [p.model.backlog for p in ready]
-        rates = self.route(before, capacity, rate, end - start)
+        if self.rotation:  # the operator's tick: the pods' queues read, the Service's endpoints relabelled
+            self.out = out_of_rotation({p.name: b for p, b in zip(ready, before, strict=True)}, self.out)
+            rates = in_rotation([p.name in self.out for p in ready], rate)
+        else:
+            rates = self.route(before, capacity, rate, end - start)
         obs = [p.model.window(knobs, r, start, end) for p, r in zip(ready, rates, strict=True)]
         # what each pod finished: its arrivals and what its backlog went down by (a draining pod that gets
         # no new request still serves its queue, at its full TTFT)

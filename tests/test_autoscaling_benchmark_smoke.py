@@ -1,6 +1,7 @@
 """benchmarks/autoscaling.py: its HPA model behaves as the HPA it stands for, and the whole comparison runs
-and writes its JSON, behind both routings (one small fleet, one seed: the figures are checked only for
-their shape and for what holds in any run: knobs alone cannot carry a peak sized for several pods)."""
+and writes its JSON, behind both routings, the HPA behind round-robin with the operator's rotation and
+without (one small fleet, one seed: the figures are checked only for their shape and for what holds in
+any run: knobs alone cannot carry a peak sized for several pods)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks.autoscaling import Hpa, main
+from benchmarks.autoscaling import Hpa, best_hpa, main
 from benchmarks.fleet_sim import ROUTINGS
 from iterserve.operator.tuning.observation import Observation
 
@@ -38,9 +39,31 @@ def test_the_comparison_runs_and_writes_its_json(tmp_path, capsys):
         assert set(row["hpa"]) == {"1.0", "4.0"} and row["best_hpa_threshold"] in (1.0, 4.0)
         assert row["knobs"]["peak_replicas"] == 1 and row["knobs"]["within_slo_settled"] < 0.5
         assert row["replicas"]["peak_replicas"] > 1
-    assert "knobs + replicas" in capsys.readouterr().out
+    robin, least = rows
+    # behind round-robin the operator rotates, and the HPA's grid has it on and off; the router never rotates
+    assert robin["rotation"] and set(robin["hpa_no_rotation"]) == {"1.0", "4.0"}
+    assert not least["rotation"] and "hpa_no_rotation" not in least and least["best_hpa_rotation"] is False
+    out_text = capsys.readouterr().out
+    assert "knobs + replicas" in out_text and "rot " in out_text  # the round-robin HPA's row says which
     with pytest.raises(SystemExit):
         main(["--routings", "random"])
+
+
+def test_without_rotation_round_robin_is_a_plain_service_for_every_controller(tmp_path):
+    out = tmp_path / "autoscaling.json"
+    assert main(["--fleets", "2", "--seeds", "1", "--thresholds", "0.5", "--routings", "round-robin",
+                 "--no-rotation", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert not row["rotation"] and "hpa_no_rotation" not in row and row["best_hpa_rotation"] is False
+
+
+def test_the_best_hpa_is_the_cheapest_that_meets_the_target_else_the_closest():
+    def s(settled: float, cost: float) -> dict:
+        return {"within_slo_settled": settled, "replica_s": cost}
+
+    grid = {(1.0, True): s(1.0, 900), (1.0, False): s(0.99, 800), (4.0, False): s(0.9, 500)}
+    assert best_hpa(grid)[0] == (1.0, False)
+    assert best_hpa({(1.0, True): s(0.95, 900), (4.0, False): s(0.9, 500)})[0] == (1.0, True)
 
 
 def test_max_replicas_bounds_the_autoscaler_and_the_hpa_alike(tmp_path):

@@ -1,9 +1,10 @@
-"""benchmarks/autoscaling_whatif.py: its counterfactuals change what they say they change, and the bound
-docs/benchmarks-autoscaling.md states holds in the model: at F = 2 behind round-robin, even maxReplicas
-asked for at the peak's first instant leaves windows over the SLO after convergence (the backlog one pod
-takes before its peers are ready stays on it), where pods ready before the peak, or least-load routing,
-leave none; the tuner held while the fleet changes (tried, not adopted) moves no knob while pods start.
-One seed; the simulation is deterministic per seed."""
+"""benchmarks/autoscaling_whatif.py: its counterfactuals change what they say they change, and the bounds
+docs/benchmarks-autoscaling.md states hold in the model: at F = 2 behind a plain Service without the
+operator's rotation, even maxReplicas asked for at the peak's first instant leaves windows over the SLO
+after convergence (the backlog one pod takes before its peers are ready stays on it), where pods ready
+before the peak, least-load routing, or the rotation (the run as is) leave none; the tuner held while the
+fleet changes (tried, not adopted) moves no knob while pods start. One seed; the simulation is
+deterministic per seed."""
 
 from __future__ import annotations
 
@@ -19,16 +20,22 @@ PEAK_TICK = peak_tick(TUNING_TESTS)
 
 def test_the_asks_resize_before_any_window_shows_the_peak():
     table = cases(2, "round-robin", 60.0)
-    asis = run_case(2, 0, "round-robin", 60.0, table["as is"])
-    foresight = run_case(2, 0, "round-robin", 60.0, table["foresight"])
-    early = run_case(2, 0, "round-robin", 60.0, table["pre-provisioned"])
+    plain = {name: kw | {"rotation": False} for name, kw in table.items()}  # a plain Service alone
+    asis = run_case(2, 0, "round-robin", 60.0, plain["as is"])
+    foresight = run_case(2, 0, "round-robin", 60.0, plain["foresight"])
+    early = run_case(2, 0, "round-robin", 60.0, plain["pre-provisioned"])
     assert asis.replicas[PEAK_TICK] == 1 and asis.replicas[PEAK_TICK + 1] == 4  # asked on the peak's first window
     assert foresight.replicas[PEAK_TICK] == 4 and early.replicas[PEAK_TICK - 2] == 4
     assert missed(foresight) >= 1 and missed(asis) >= missed(foresight)
     assert missed(early) == 0
     assert missed(run_case(2, 0, "round-robin", 60.0, table["least-load"])) == 0
-    wider = run_case(2, 0, "round-robin", 60.0, table["maxReplicas 3F"])
+    wider = run_case(2, 0, "round-robin", 60.0, plain["maxReplicas 3F"])
     assert max(wider.replicas) == 6 and missed(wider) < missed(asis)
+    # the case "no rotation" is that plain Service; as is, the operator's rotation drains the backlog
+    assert missed(run_case(2, 0, "round-robin", 60.0, table["no rotation"])) == missed(asis)
+    rotated = run_case(2, 0, "round-robin", 60.0, table["as is"])
+    assert missed(rotated) == 0 and rotated.replicas == asis.replicas
+    assert "no rotation" not in cases(2, "least-load", 60.0)
 
 
 def test_the_trace_prints_each_tick_asked_for(capsys):
@@ -37,6 +44,9 @@ def test_the_trace_prints_each_tick_asked_for(capsys):
     assert len(lines) == 6 and lines[0].startswith("tick")
     assert "1 -> 4 replicas" in lines[2] and " 1/1 " in lines[2] and "no*" in lines[2]
     assert "4/1" in lines[3]  # asked for, not yet ready
+    assert main(["--trace", "0", "--ticks", "23-23"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "o,0,0,0 " in line  # the pod that took the step is out of rotation, the three new ones in
 
 
 class Decisions:
@@ -78,3 +88,11 @@ HOLD_ROWS = [
 def test_when_the_tried_hold_holds(title, state, seen, words):
     why = tuner_holds_while_scaling(state, *seen, ScalePolicy(min_replicas=1, max_replicas=8, settle_s=60), 100.0)
     assert why is None if words is None else (why is not None and words in why), why
+
+
+def test_without_rotation_every_case_runs_behind_a_plain_service(capsys):
+    assert main(["--seeds", "1", "--no-rotation"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "round-robin, no rotation" in lines[0]
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines[2:]}
+    assert rows["as is"] == rows["no rotation"]  # the case `no rotation` is then the run as is

@@ -1,5 +1,7 @@
 """benchmarks/fleet_sim.py: the least-load routing behaves as the router's policy does in the fluid limit,
-and the fleet's p99 pools the pods' latencies as summed histograms do (tables and properties)."""
+round-robin with the operator's rotation sends a backlogged pod nothing until it has drained to its
+peers' level (without rotation, its share), and the fleet's p99 pools the pods' latencies as summed
+histograms do (tables and properties)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.fleet_sim import FleetSim, even, least_load, merged_p99
+from benchmarks.fleet_sim import FleetSim, even, in_rotation, least_load, merged_p99
 from iterserve.common.wire import Knobs
+from iterserve.operator.tuning.rotation import GAP
+
+KNOBS = Knobs(max_num_seqs=16, max_num_batched_tokens=512, prefill_chunk_size=128)
 
 
 @pytest.mark.parametrize("backlogs, rate, expected", [
@@ -35,6 +40,81 @@ def test_least_load_routing_sends_every_arrival_and_never_favours_a_longer_queue
 
 
 
+def test_in_rotation_shares_the_arrivals_among_the_pods_in():
+    assert in_rotation([False, True, False, False], 36.0) == [12.0, 0.0, 12.0, 12.0]
+    assert in_rotation([False, False], 10.0) == [5.0, 5.0]
+
+
+def arrivals(sim: FleetSim, rate: float, windows: int, dt: float = 30.0) -> list[tuple[list[float], list[float]]]:
+    """Per window, each ready pod's backlog at its start and the arrival rate it was sent (the pods'
+    model's `window` called with it)."""
+    sent: list[float] = []
+    for p in sim.pods:
+        inner = p.model.window
+
+        def window(knobs, r, start, end, inner=inner):
+            sent.append(r)
+            return inner(knobs, r, start, end)
+
+        p.model.window = window  # type: ignore[method-assign]
+    out = []
+    for i in range(windows):
+        before = [p.model.backlog for p in sim.pods]
+        sent.clear()
+        sim.window(KNOBS, rate, i * dt, (i + 1) * dt)
+        out.append((before, list(sent)))
+    return out
+
+
+def test_rotation_takes_a_backlogged_pod_out_of_round_robin_until_it_has_drained():
+    sim = FleetSim(4, seed=1, start_s=60)
+    capacity = sim.pods[0].model.steady(KNOBS, 0.0).capacity
+    rate = 3 * capacity * 0.8  # three pods carry it: the others' queues stay at zero
+    sim.pods[0].model.backlog = 3 * capacity * 30.0  # three windows' worth of its capacity
+    seen = arrivals(sim, rate, 6)
+    was_out = False
+    for before, sent in seen:
+        lo = min(before)
+        if before[0] > lo + GAP or (was_out and before[0] > lo + GAP / 2):  # the product's rule, with hysteresis
+            assert sent == pytest.approx([0.0, rate / 3, rate / 3, rate / 3])  # out: nothing new
+            was_out = True
+        else:
+            assert sent == pytest.approx([rate / 4] * 4)  # in (again): an even share
+            was_out = False
+    outs = [sent[0] == 0 for _, sent in seen]
+    assert outs == [True, True, True, False, False, False]  # out while it drains, back once drained
+    assert sim.out == frozenset()
+
+
+def test_rotation_keeps_a_pod_out_until_it_is_within_half_the_gap():
+    sim = FleetSim(2, seed=1, start_s=60)
+    capacity = sim.pods[0].model.steady(KNOBS, 0.0).capacity
+    sim.pods[0].model.backlog = GAP + 1
+    sim.window(KNOBS, 0.0, 0, 30)
+    assert sim.out == {sim.pods[0].name}
+    # 3/4 of the gap over the other: a pod in would stay in, this one, out, stays out
+    sim.pods[0].model.backlog, sim.pods[1].model.backlog = 0.75 * GAP + 10, 10.0
+    [(_, sent)] = arrivals(sim, capacity / 2, 1)
+    assert sent == [0.0, capacity / 2] and sim.out == {sim.pods[0].name}
+
+
+def test_without_rotation_round_robin_keeps_the_even_split():
+    sim = FleetSim(4, seed=1, start_s=60, rotation=False)
+    capacity = sim.pods[0].model.steady(KNOBS, 0.0).capacity
+    rate = 3 * capacity * 0.8
+    sim.pods[0].model.backlog = 3 * capacity * 30.0
+    for _, sent in arrivals(sim, rate, 6):
+        assert sent == pytest.approx([rate / 4] * 4)
+    assert sim.pods[0].model.backlog > 0 and sim.out == frozenset()  # still draining, at what its share leaves
+
+
+def test_least_load_never_rotates():
+    sim = FleetSim(2, seed=1, start_s=60, routing="least-load")
+    sim.pods[0].model.backlog = 100.0
+    sim.window(KNOBS, 10.0, 0, 30)
+    assert not sim.rotation and sim.out == frozenset()
+
+
 @pytest.mark.parametrize("p99s, weights, expected", [
     ([2.0, 2.0, 2.0], [1, 5, 9], 2.0),  # equal pods: their p99, whatever the weights
     ([1.0, 100.0], [1, 0], 1.0),  # a pod that finished nothing weighs nothing
@@ -54,8 +134,7 @@ def test_merged_p99_lies_between_the_pods_p99s(pods):
 
 
 def test_the_fleet_p99_is_the_pooled_one_and_the_worst_pods_on_request():
-    knobs = Knobs(max_num_seqs=16, max_num_batched_tokens=512, prefill_chunk_size=128)
-    pooled = FleetSim(32, seed=1, start_s=60).window(knobs, 320.0, 0, 30)
-    worst = FleetSim(32, seed=1, start_s=60, fleet_p99="worst-pod").window(knobs, 320.0, 0, 30)
+    pooled = FleetSim(32, seed=1, start_s=60).window(KNOBS, 320.0, 0, 30)
+    worst = FleetSim(32, seed=1, start_s=60, fleet_p99="worst-pod").window(KNOBS, 320.0, 0, 30)
     assert pooled.request_rate == worst.request_rate and pooled.waiting == worst.waiting  # the same pods
     assert pooled.itl_p99_s < worst.itl_p99_s and pooled.ttft_p99_s < worst.ttft_p99_s  # 32 noisy draws' max
