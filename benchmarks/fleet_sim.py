@@ -4,9 +4,10 @@ product has, a new pod ready a fixed time after it is asked for, a removed pod's
 Two routings, one per way a service is reached:
 - `round-robin`: a plain Kubernetes Service (kube-proxy picks a ready endpoint per connection, blind to
   load) with the operator's rotation (operator/tuning/rotation.py, in tuning mode auto without
-  spec.router): every tick the operator takes out of the Service's endpoints each pod whose queue is more
-  than `GAP` (4) requests longer than the shortest, and puts it back once it is within half of that; the
-  pods in rotation get the same share of the arrivals, a pod out none (it keeps serving its queue). Here
+  spec.router): every tick the operator takes out of the Service's endpoints each pod whose queue is
+  longer than the shortest by more than what a pod finishes in a tick (`rotation_gap`: here the last
+  tick's completions per pod, 4 requests at least), and puts the others in; the pods in rotation get the
+  same share of the arrivals, a pod out none (it keeps serving its queue). Here
   the queue it reads is a pod's backlog (requests beyond its steady state: pods of one model at the same
   knobs and share differ only by it) at the window's start, as the operator reads the gauge once a tick.
   With `rotation=False`, a plain Service alone: every ready pod the same share, so a backlog a pod took
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.observation import Observation
-from iterserve.operator.tuning.rotation import out_of_rotation
+from iterserve.operator.tuning.rotation import out_of_rotation, rotation_gap
 from tests.tuning_latency_model import LatencyModel
 
 ROUTINGS = ("round-robin", "least-load")
@@ -135,6 +136,7 @@ class FleetSim:
         self.seed, self.start_s, self.made, self.route = seed, start_s, 0, ROUTE[routing]
         self.rotation = rotation and routing == "round-robin"
         self.out: frozenset[str] = frozenset()
+        self.per_pod_rate = 0.0  # requests/s each ready pod finished over the last window
         self.worst = {"merged": False, "worst-pod": True}[fleet_p99]
         self.model, self.shared_cores = model or {}, shared_cores or {}
         self.pods = [self._pod(-1.0) for _ in range(replicas)]
@@ -161,7 +163,8 @@ class FleetSim:
         capacity = ready[0].model.steady(knobs, rate / len(ready)).capacity  # one model, one setting: equal
         before = [p.model.backlog for p in ready]
         if self.rotation:  # the operator's tick: the pods' queues read, the Service's endpoints relabelled
-            self.out = out_of_rotation({p.name: b for p, b in zip(ready, before, strict=True)}, self.out)
+            gap = rotation_gap(self.per_pod_rate, end - start)
+            self.out = out_of_rotation({p.name: b for p, b in zip(ready, before, strict=True)}, gap)
             rates = in_rotation([p.name in self.out for p in ready], rate)
         else:
             rates = self.route(before, capacity, rate, end - start)
@@ -169,6 +172,7 @@ class FleetSim:
         # what each pod finished: its arrivals and what its backlog went down by (a draining pod that gets
         # no new request still serves its queue, at its full TTFT)
         done = [r * (end - start) + b - p.model.backlog for p, r, b in zip(ready, rates, before, strict=True)]
+        self.per_pod_rate = sum(done) / (end - start) / len(ready)
 
         def pool(p99s: list[float]) -> float:
             return max(p99s) if self.worst else merged_p99(p99s, done)

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from iterserve.operator.builders.labels import IN_ROTATION, OUT_OF_ROTATION, ROTATION_LABEL
 from iterserve.operator.kube import Kube
 from iterserve.operator.spec import LLMService
-from iterserve.operator.tuning.rotation import out_of_rotation, rotation_active
+from iterserve.operator.tuning.rotation import out_of_rotation, rotation_active, rotation_gap
 
 logger = logging.getLogger("iterserve.operator")
 
@@ -31,20 +31,22 @@ def set_rotation(kube: Kube, pod: dict, value: str) -> bool:
     return True
 
 
-def rotate(kube: Kube, svc: LLMService, pods: Mapping[str, dict],
-           waiting: Mapping[str, float]) -> tuple[frozenset[str], list[str]]:
+def rotate(kube: Kube, svc: LLMService, pods: Mapping[str, dict], waiting: Mapping[str, float],
+           per_pod_rate: float, interval_s: float) -> tuple[frozenset[str], list[str]]:
     """One tick of rotation over the ready `pods` (by URL) with each read pod's requests waiting now
-    (`waiting`; a pod not read is put in: without a reading it is a plain endpoint). Returns the pods
-    out now and what changed, one `<pod> in|out (...)` each."""
+    (`waiting`; a pod not read is put in: without a reading it is a plain endpoint), the fleet's
+    completions per pod over the window and the tick. Returns the pods out now and what changed, one
+    `<pod> in|out (...)` each."""
     active = rotation_active(svc.tuning.mode, svc.router.enabled)
-    now_out = {url for url, pod in pods.items() if rotation_of(pod) == OUT_OF_ROTATION}
-    out = out_of_rotation({u: w for u, w in waiting.items() if u in pods}, now_out) if active else frozenset()
+    gap = rotation_gap(per_pod_rate, interval_s)
+    out = out_of_rotation({u: w for u, w in waiting.items() if u in pods}, gap) if active else frozenset()
     lo = min(waiting.values(), default=0.0)
     changes = []
     for url, pod in pods.items():
         value = OUT_OF_ROTATION if url in out else IN_ROTATION
         if set_rotation(kube, pod, value):
-            why = f"{waiting[url]:.0f} waiting, the shortest queue {lo:.0f}" if url in waiting else "not read"
+            why = (f"{waiting[url]:.0f} waiting, the shortest queue {lo:.0f}, the gap {gap:.0f}" if url in waiting
+                   else "not read")
             changes.append(f"{pod['metadata']['name']} {value} ({why if active else 'rotation off'})")
     if changes:
         logger.info("%s/%s: rotation: %s", svc.namespace, svc.name, "; ".join(changes))

@@ -226,7 +226,9 @@ class TuningLoop:
         (Prometheus) leaves every pod in."""
         waiting = self.source.waiting_now(list(self._pods), record.time) if isinstance(self.source, PodScraper) else {}
         try:
-            out, _ = rotate(self.kube, svc, self._pods, waiting)
+            obs = record.observation
+            per_pod = obs.request_rate / obs.num_pods if obs is not None and obs.num_pods else 0.0
+            out, _ = rotate(self.kube, svc, self._pods, waiting, per_pod, self.interval_s)
             if self.metrics is not None:
                 self.metrics.set_out_of_rotation(self.namespace, self.name, len(out))
         except (ApiException, RuntimeError) as e:  # a pod gone meanwhile: the next tick lists afresh

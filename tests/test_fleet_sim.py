@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from benchmarks.fleet_sim import FleetSim, even, in_rotation, least_load, merged_p99
 from iterserve.common.wire import Knobs
-from iterserve.operator.tuning.rotation import GAP
+from iterserve.operator.tuning.rotation import rotation_gap
 
 KNOBS = Knobs(max_num_seqs=16, max_num_batched_tokens=512, prefill_chunk_size=128)
 
@@ -45,7 +45,8 @@ def test_in_rotation_shares_the_arrivals_among_the_pods_in():
     assert in_rotation([False, False], 10.0) == [5.0, 5.0]
 
 
-def arrivals(sim: FleetSim, rate: float, windows: int, dt: float = 30.0) -> list[tuple[list[float], list[float]]]:
+def arrivals(sim: FleetSim, rate: float, windows: int, dt: float = 30.0,
+             start: float = 0.0) -> list[tuple[list[float], list[float]]]:
     """Per window, each ready pod's backlog at its start and the arrival rate it was sent (the pods'
     model's `window` called with it)."""
     sent: list[float] = []
@@ -61,7 +62,7 @@ def arrivals(sim: FleetSim, rate: float, windows: int, dt: float = 30.0) -> list
     for i in range(windows):
         before = [p.model.backlog for p in sim.pods]
         sent.clear()
-        sim.window(KNOBS, rate, i * dt, (i + 1) * dt)
+        sim.window(KNOBS, rate, start + i * dt, start + (i + 1) * dt)
         out.append((before, list(sent)))
     return out
 
@@ -71,31 +72,31 @@ def test_rotation_takes_a_backlogged_pod_out_of_round_robin_until_it_has_drained
     capacity = sim.pods[0].model.steady(KNOBS, 0.0).capacity
     rate = 3 * capacity * 0.8  # three pods carry it: the others' queues stay at zero
     sim.pods[0].model.backlog = 3 * capacity * 30.0  # three windows' worth of its capacity
-    seen = arrivals(sim, rate, 6)
-    was_out = False
-    for before, sent in seen:
-        lo = min(before)
-        if before[0] > lo + GAP or (was_out and before[0] > lo + GAP / 2):  # the product's rule, with hysteresis
+    outs = []
+    for i in range(6):
+        gap = rotation_gap(sim.per_pod_rate, 30.0)  # what a pod finished in the last window, 4 at least
+        [(before, sent)] = arrivals(sim, rate, 1, start=i * 30.0)
+        if before[0] > min(before) + gap:  # the product's rule
             assert sent == pytest.approx([0.0, rate / 3, rate / 3, rate / 3])  # out: nothing new
-            was_out = True
         else:
             assert sent == pytest.approx([rate / 4] * 4)  # in (again): an even share
-            was_out = False
-    outs = [sent[0] == 0 for _, sent in seen]
-    assert outs == [True, True, True, False, False, False]  # out while it drains, back once drained
+        outs.append(sent[0] == 0)
+    assert outs == [True, True, True, False, False, False]  # out while more than a window's work stands over the rest
     assert sim.out == frozenset()
 
 
-def test_rotation_keeps_a_pod_out_until_it_is_within_half_the_gap():
+def test_rotation_leaves_in_a_pod_with_less_than_a_ticks_work_over_the_shortest():
+    """Out for a tick, it would run dry and idle while its peers take its share."""
     sim = FleetSim(2, seed=1, start_s=60)
     capacity = sim.pods[0].model.steady(KNOBS, 0.0).capacity
-    sim.pods[0].model.backlog = GAP + 1
-    sim.window(KNOBS, 0.0, 0, 30)
-    assert sim.out == {sim.pods[0].name}
-    # 3/4 of the gap over the other: a pod in would stay in, this one, out, stays out
-    sim.pods[0].model.backlog, sim.pods[1].model.backlog = 0.75 * GAP + 10, 10.0
+    sim.per_pod_rate = capacity / 2  # the last window's completions per pod: a gap of 15 s of capacity
+    sim.pods[0].model.backlog = 10 * capacity
     [(_, sent)] = arrivals(sim, capacity / 2, 1)
-    assert sent == [0.0, capacity / 2] and sim.out == {sim.pods[0].name}
+    assert sent == pytest.approx([capacity / 4] * 2) and sim.out == frozenset()
+    sim.per_pod_rate = capacity / 2
+    sim.pods[0].model.backlog = 20 * capacity + sim.pods[1].model.backlog
+    [(_, sent)] = arrivals(sim, capacity / 2, 1)
+    assert sent == pytest.approx([0.0, capacity / 2]) and sim.out == {sim.pods[0].name}
 
 
 def test_without_rotation_round_robin_keeps_the_even_split():

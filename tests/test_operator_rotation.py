@@ -108,7 +108,7 @@ def test_a_pod_whose_queue_stands_leaves_the_service_until_it_drains(kube_cluste
     wait_until(lambda: endpoint_addresses(kube, ns) == set(ADDRESSES[1:]), timeout=TIMEOUT,
                what="the backlogged pod no longer selected")
 
-    queues.waiting.update({ADDRESSES[0]: 5.0})  # draining, but still more than half the gap over the shortest
+    queues.waiting.update({ADDRESSES[0]: 5.0})  # draining, still over the shortest by more than the gap (4)
     loop.run_once(kube.get_llmservice(ns, "chat"))
     assert labels_by_address(kube, ns)[ADDRESSES[0]] == "out"
     queues.waiting.update({ADDRESSES[0]: 1.0})  # drained to its peers' level

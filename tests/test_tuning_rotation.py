@@ -7,24 +7,32 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from iterserve.operator.tuning.rotation import GAP, out_of_rotation, rotation_active
+from iterserve.operator.tuning.rotation import GAP, out_of_rotation, rotation_active, rotation_gap
 
 
-@pytest.mark.parametrize("waiting, out, expected", [
-    ({}, set(), set()),
-    ({"a": 90.0}, set(), set()),  # one pod: it is the Service's only endpoint
-    ({"a": 0.0, "b": 0.0, "c": 1.0}, set(), set()),  # queues level within the gap
-    ({"a": 130.0, "b": 0.0, "c": 0.0}, set(), {"a"}),  # the step's backlog on the pod that took it
-    ({"a": 0.0, "b": GAP}, set(), set()),  # at the gap: in
-    ({"a": 0.0, "b": GAP + 0.5}, set(), {"b"}),  # past it: out
-    ({"a": 1.0, "b": 1.0 + GAP / 2 + 0.5}, {"b"}, {"b"}),  # out, and not yet within half the gap: stays out
-    ({"a": 1.0, "b": 1.0 + GAP / 2}, {"b"}, set()),  # within half the gap: back in
-    ({"a": 40.0, "b": 30.0, "c": 3.0, "d": 5.0}, set(), {"a", "b"}),  # against the shortest, not the mean
-    ({"a": 6.0, "b": 6.0}, {"a", "b"}, set()),  # all out (a stale view) and level: all back
-    ({"a": 50.0, "b": 20.0}, {"b"}, {"a"}),  # the shortest is in whatever it was
+@pytest.mark.parametrize("waiting, gap, expected", [
+    ({}, GAP, set()),
+    ({"a": 90.0}, GAP, set()),  # one pod: it is the Service's only endpoint
+    ({"a": 0.0, "b": 0.0, "c": 1.0}, GAP, set()),  # queues level within the gap
+    ({"a": 130.0, "b": 0.0, "c": 0.0}, GAP, {"a"}),  # the step's backlog on the pod that took it
+    ({"a": 0.0, "b": GAP}, GAP, set()),  # at the gap: in
+    ({"a": 0.0, "b": GAP + 0.5}, GAP, {"b"}),  # past it: out
+    ({"a": 40.0, "b": 30.0, "c": 3.0, "d": 5.0}, GAP, {"a", "b"}),  # against the shortest, not the mean
+    ({"a": 14.0, "b": 0.0}, 18.0, set()),  # less than a tick's work over the shortest: out, it would idle
+    ({"a": 130.0, "b": 7.0}, 18.0, {"a"}),
 ])
-def test_out_of_rotation(waiting, out, expected):
-    assert out_of_rotation(waiting, out) == frozenset(expected)
+def test_out_of_rotation(waiting, gap, expected):
+    assert out_of_rotation(waiting, gap) == frozenset(expected)
+
+
+@pytest.mark.parametrize("per_pod_rate, interval_s, gap", [
+    (3.6, 5.0, 18.0),  # the live pods: 3.6 requests/s each, a tick every 5 s
+    (20.0, 30.0, 600.0),
+    (0.2, 5.0, GAP),  # a quiet fleet: the least gap
+    (0.0, 5.0, GAP),  # nothing finished (or not read)
+])
+def test_the_gap_is_what_a_pod_finishes_in_a_tick(per_pod_rate, interval_s, gap):
+    assert rotation_gap(per_pod_rate, interval_s) == pytest.approx(gap)
 
 
 @pytest.mark.parametrize("mode, router, active", [
@@ -37,18 +45,16 @@ def test_rotation_active_only_in_auto_mode_behind_a_plain_service(mode, router, 
 queues = st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0, 500, allow_nan=False), max_size=8)
 
 
-@given(queues, st.sets(st.sampled_from("abcdefgh")))
-def test_a_pod_with_the_shortest_queue_is_always_in_and_only_standing_queues_go_out(waiting, out):
-    chosen = out_of_rotation(waiting, out)
+@given(queues, st.floats(GAP, 1000))
+def test_a_pod_with_the_shortest_queue_is_always_in_and_only_standing_queues_go_out(waiting, gap):
+    chosen = out_of_rotation(waiting, gap)
     assert chosen <= waiting.keys()
     if waiting:
         lo = min(waiting.values())
         assert any(w == lo and pod not in chosen for pod, w in waiting.items())  # the Service has an endpoint
-        assert all(waiting[pod] > lo + GAP / 2 for pod in chosen)
-        assert all(pod in chosen for pod, w in waiting.items() if w > lo + GAP)
+        assert chosen == {pod for pod, w in waiting.items() if w > lo + gap}
 
 
-@given(queues, st.sets(st.sampled_from("abcdefgh")))
-def test_a_pod_out_stays_out_at_least_as_long_as_one_in_would_go_out(waiting, out):
-    """Hysteresis: being out never makes a pod come back sooner than being in would keep it."""
-    assert out_of_rotation(waiting, set()) <= out_of_rotation(waiting, out | set(waiting))
+@given(queues, st.floats(GAP, 500), st.floats(0, 500))
+def test_a_wider_gap_never_takes_more_pods_out(waiting, gap, more):
+    assert out_of_rotation(waiting, gap + more) <= out_of_rotation(waiting, gap)
