@@ -14,8 +14,8 @@ a 20-s window, the SLO judged on back-to-back 20-s windows), load and pod starts
 The fleet (benchmarks/fleet_sim.py): pods of the latency model the tuning tests use
 (tests/tuning_latency_model.py: M/M/c-like queueing, a backlog above capacity, ITL growing with the batch
 and the chunk, 8% multiplicative noise) behind the routing each configuration has: `round-robin` (a plain
-Service with the operator's rotation: every ready pod the same share but those more than 4 requests
-behind the shortest queue, which get none until they are within 2 of it; `--no-rotation`: a plain Service
+Service with the operator's rotation: every ready pod the same share but those whose queue stands over
+the shortest by more than a tick's work, which get none that tick; `--no-rotation`: a plain Service
 alone, every ready pod the same share) or `least-load` (spec.router: a pod with a longer queue gets no
 new requests until it has drained to its peers' level; no rotation); every controller is compared behind
 the same routing. A new pod is ready `--start-s` after it is asked for, a removed pod's queue goes to the others
