@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -96,6 +97,23 @@ def test_window_over_scrapes_of_one_pod():
     assert obs.queue_time_mean_s == pytest.approx(0.2)
     # no running gauge was set: the batch is known by Little's law, 5 requests/s x 0.4 s in the batch
     assert obs.running == 0 and obs.inference_time_mean_s == pytest.approx(0.4) and obs.in_batch == pytest.approx(2)
+
+
+def test_waiting_now_is_each_pods_latest_scrape_of_this_tick():
+    """Rotation's reading: the gauge now (not the window's mean), for the pods read at the tick's
+    observation or by the snapshot after a knob change later in the tick; a pod last read before is left
+    out."""
+    a, b, c = FakePodMetrics(), FakePodMetrics(), FakePodMetrics()
+    scraper = PodScraper()
+    for pod, waiting in ((a, 30), (b, 2), (c, 7)):
+        pod.waiting.set(waiting)
+    scraper.history = {"http://a": deque([a.scrape(0.0), a.scrape(20.0)]), "http://b": deque([b.scrape(20.0)]),
+                       "http://c": deque([c.scrape(0.0)])}
+    assert scraper.waiting_now(["http://a", "http://b", "http://c", "http://d"], 20.0) == {"http://a": 30,
+                                                                                             "http://b": 2}
+    a.waiting.set(25)
+    scraper.history["http://a"].append(a.scrape(20.4))  # the snapshot after a knob change
+    assert scraper.waiting_now(["http://a"], 20.0) == {"http://a": 25}
 
 
 def test_errors_are_failed_steps_and_5xx_answers_not_429s():

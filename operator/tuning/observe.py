@@ -204,10 +204,11 @@ class PodScraper:
         return observation_from_scrapes(per_pod, now, errors)
 
     def waiting_now(self, pod_urls: Sequence[str], at: float) -> dict[str, float]:
-        """Each pod's requests waiting in its scrape taken at `at` (the last `observe`'s), for the pods
-        read then: the queue now, not the window's average, which is what rotation weighs."""
+        """Each pod's requests waiting in its latest scrape, for the pods read at `at` (the tick's
+        `observe`) or since (the `snapshot` after a knob change): the queue now, not the window's average,
+        which is what rotation weighs."""
         return {url: h[-1].gauges.get(WAITING, 0.0) for url in pod_urls
-                if (h := self.history.get(url)) and h[-1].t == at}
+                if (h := self.history.get(url)) and h[-1].t >= at}
 
     def _scrape(self, url: str) -> tuple[str | None, str | None]:
         """(metrics text, None) or (None, why not)."""
