@@ -145,7 +145,6 @@ class TuningLoop:
     interval_s: float = RETRY_SECONDS
     _svc: LLMService | None = field(default=None, repr=False)
     _token: str | None = field(default=None, repr=False)
-    _admin_urls: dict[str, str] = field(default_factory=dict, repr=False)  # pod URL -> its admin API
     _pods: dict[str, dict] = field(default_factory=dict, repr=False)  # pod URL -> the pod, as listed this tick
 
     def run_once(self, body: dict) -> tuple[float, list[dict]]:
@@ -204,7 +203,7 @@ class TuningLoop:
             self.tuner = Tuner(self.namespace, self.name, list_pods=self._list_pods, admin_token=lambda: self._token,
                                policy=policy, source=self.source, knobs=in_force, apply_knobs=self._apply_knobs,
                                metrics=self.metrics, timeout=self.pod_timeout,
-                               admin_url=lambda url: self._admin_urls.get(url, url))
+                               admin_url=self._admin_url)
             return self.tuner
         tuner = self.tuner
         if policy != tuner.policy:
@@ -218,8 +217,11 @@ class TuningLoop:
 
     def _list_pods(self) -> list[str]:
         self._pods = {pod_url(pod): pod for pod in ready_pods(self.kube, self._svc, self._token)}
-        self._admin_urls = {url: pod_admin_url(pod) for url, pod in self._pods.items()}
         return list(self._pods)
+
+    def _admin_url(self, url: str) -> str:
+        """A listed pod's admin API (its `admin` port)."""
+        return pod_admin_url(self._pods[url]) if url in self._pods else url
 
     def _rotate(self, svc: LLMService, record: TuningRecord) -> None:
         """Rotation (pod_rotation.py) on the queues the tick read; a source without per-pod readings
