@@ -64,7 +64,7 @@ from benchmarks.fleet_scenario import SCENARIOS, TUNING_TESTS, Scenario  # noqa:
 from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim, merge_windows  # noqa: E402
 from iterserve.operator.tuning.decide import HOLD, Decision, TunerState, decide  # noqa: E402
 from iterserve.operator.tuning.decision import stay  # noqa: E402
-from iterserve.operator.tuning.fleet_change import scale_out_in_flight  # noqa: E402
+from iterserve.operator.tuning.fleet_change import OutsideScale, scale_out_in_flight  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.reading import read  # noqa: E402
 from iterserve.operator.tuning.scale import Fleet, ScaleDecision, ScalePolicy, ScaleState, decide_scale  # noqa: E402
@@ -169,6 +169,7 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
     hpa = Hpa(threshold, min_replicas, hi, down_window_s=sc.scale_down_s)
     hpa_every = 1 if sc.hpa_period_s is None else max(1, round(sc.hpa_period_s / tick_s))
     t = 0.0
+    outside, listed = OutsideScale(), 0  # the HPA's fleet as the operator follows it, and the pods it last listed
     seen: list[Observation] = []  # the controllers' window: the ticks since the last knob change, at most a window
     judged: list[Observation] = []  # the SLO's window: back-to-back blocks of `per_window` ticks
     for tick, (rate, _) in enumerate(rates):
@@ -190,9 +191,13 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
             # after convergence: no tick of the window within the settling after a step
             run.settled.append(all(settled for _, settled in rates[tick + 1 - per_window:tick + 1]))
             judged = []
-        # the tuner is told of a scale-out in flight, as in the operator
-        in_flight = scale_out_in_flight(scaler_state, replicas, sim.ready(t), scale_policy, t) \
-            if controller == "replicas" else None
+        # the tuner is told of a scale-out in flight, the autoscaler's or the HPA's, as in the operator
+        if controller == "replicas":
+            in_flight = scale_out_in_flight(scaler_state, replicas, sim.ready(t), scale_policy, t)
+        else:
+            outside = outside.see(replicas, listed, t)
+            in_flight = outside.in_flight(listed, policy.window_s, t)
+            outside, listed = outside.queue(obs.queued, t), sim.ready(t)
         knobs_before = tuner.knobs
         d = decide(tuner, obs, policy, t, in_flight)
         if tuner_hold is not None and controller == "replicas" and d.action != HOLD and r.trouble is None and \

@@ -45,6 +45,7 @@ from iterserve.operator.scaling_loop import Autoscaler, replicas_of
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import TUNING_OFF_MESSAGE
 from iterserve.operator.tuning.decide import HOLD
+from iterserve.operator.tuning.fleet_change import OutsideScale
 from iterserve.operator.tuning.observation import MetricsSource
 from iterserve.operator.tuning.observe import PodScraper
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
@@ -142,6 +143,7 @@ class TuningLoop:
     tuner: Tuner | None = None
     memory: EventMemory = field(default_factory=EventMemory)
     autoscaler: Autoscaler = field(default_factory=Autoscaler)
+    outside: OutsideScale = field(default_factory=OutsideScale)  # the fleet, sized outside the operator
     interval_s: float = RETRY_SECONDS
     _svc: LLMService | None = field(default=None, repr=False)
     _token: str | None = field(default=None, repr=False)
@@ -185,10 +187,14 @@ class TuningLoop:
             seen, scale_out = None, None
             if svc.autoscaling is None:
                 self.autoscaler = Autoscaler()  # turned off: a later spec.autoscaling starts afresh
+                scale_out = self._outside_scale_out(svc, policy)
             else:  # desiredReplicas is the autoscaler's alone: read before the tuner's status write, it holds
+                self.outside = OutsideScale()
                 seen = replicas_of(self.kube, svc, (self.kube.get_llmservice(ns, name) or {}).get("status"))
                 scale_out = self.autoscaler.scale_out_in_flight(svc, seen, policy)
             record = tuner.tick(scale_out=scale_out)
+            if seen is None and record.observation is not None:
+                self.outside = self.outside.queue(record.observation.queued, record.time)
             self._rotate(svc, record)
             if not write_tuning_status(self.kube, ns, name, record.status(), record.condition()):
                 return None, []  # deleted meanwhile
@@ -214,6 +220,14 @@ class TuningLoop:
                         in_force.describe())
             tuner.set_knobs(in_force)
         return tuner
+
+    def _outside_scale_out(self, svc: LLMService, policy: TuningPolicy) -> str | None:
+        """What a scale-out made outside the operator (an HPA or KEDA on the scale subresource, a person)
+        waits for (fleet_change.OutsideScale): spec.replicas against the ready pods the last tick listed
+        (no read of the Deployment more per tick; the start is seen to end a tick late)."""
+        now = time.time()
+        self.outside = self.outside.see(svc.replicas, len(self._pods), now)
+        return self.outside.in_flight(len(self._pods), policy.window_s, now)
 
     def _list_pods(self) -> list[str]:
         self._pods = {pod_url(pod): pod for pod in ready_pods(self.kube, self._svc, self._token)}

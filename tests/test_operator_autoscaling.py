@@ -5,7 +5,10 @@ status fields, then against a real kube-apiserver (no kubelet: pods stay Pending
   service, and hands the replicas back to spec.replicas (and the scale subresource) when it is removed;
 - one `TuningLoop` tick on a window over the SLO (the pods' metrics given by a source that returns that
   window: there are no pods to read) adds replicas to the Deployment, with the reason in status and the
-  Event, and the next tick waits for the new pods."""
+  Event, and the next tick waits for the new pods;
+- without spec.autoscaling, a scale through the subresource (what an HPA writes) is a scale-out to the
+  tuner: the next tick's breach takes a smaller chunk where a fleet that did not grow backs max_num_seqs
+  off."""
 
 from __future__ import annotations
 
@@ -151,7 +154,7 @@ def test_operator_keeps_the_range_refuses_beside_an_hpa_and_hands_back(kube_clus
 class WindowSource:
     """The pods' metrics as one fixed window (there are no pods here to read): a MetricsSource."""
 
-    def __init__(self, ttft_ms: float, itl_ms: float):
+    def __init__(self, ttft_ms: float, itl_ms: float):  # set them between ticks to change the window
         self.ttft_ms, self.itl_ms = ttft_ms, itl_ms
 
     def observe(self, pod_urls, now, window_s, since=None):
@@ -186,3 +189,29 @@ def test_a_breach_in_the_window_adds_replicas_with_the_reason(kube_cluster, kube
     svc = kube.get_llmservice(ns, "chat")
     assert deployment_replicas(kube, ns) == 2 and not any(e["reason"] == "ScaledOut" for e in events)
     assert "waiting for the pods added last to start (0/2 ready)" in condition(svc, "Autoscaling")["message"]
+
+
+def test_a_scale_through_the_subresource_holds_the_tuners_back_off(kube_cluster, kube_namespace):
+    kube, ns = admin_kube(kube_cluster), kube_namespace
+    spec = {"slo": SLO, "replicas": 1, "engine": {"maxNumSeqs": 16, "prefillChunkSize": 128},
+            "tuning": {"mode": "auto", "intervalSeconds": 5, "windowSeconds": 10}}
+    knobs = {}
+    for name, scaled in (("grown", True), ("same", False)):
+        apply_llmservice(kube_cluster, ns, name, spec)
+        assert not controller.handle(kube, kube.get_llmservice(ns, name)).problems
+        source = WindowSource(ttft_ms=500, itl_ms=50)  # both p99s at half their SLO, nothing waiting: a hold
+        loop = TuningLoop(kube, ns, name, source)
+        loop.run_once(kube.get_llmservice(ns, name))
+        if scaled:  # an HPA's write; no kubelet, so the new pod never starts
+            kube_cluster.kubectl("scale", "llmsvc", name, "-n", ns, "--replicas=2")
+            assert kube.get_llmservice(ns, name)["spec"]["replicas"] == 2
+        # both 3x their SLO, 8 running and none waiting: an overload, whose cure is a back-off
+        source.ttft_ms, source.itl_ms = 3000, 300
+        _, events = loop.run_once(kube.get_llmservice(ns, name))
+        (changed,) = [e for e in events if e["reason"] == "KnobsChanged"]
+        knobs[name] = (loop.tuner.state.knobs.max_num_seqs, loop.tuner.state.knobs.prefill_chunk_size,
+                       changed["message"])
+    seqs, chunk, message = knobs["grown"]
+    assert (seqs, chunk) == (16, 64), message
+    assert "pods added outside the operator are starting" in message and "not backing max_num_seqs off" in message
+    assert knobs["same"][:2] == (4, 128), knobs["same"][2]  # the batch that ran (8), halved

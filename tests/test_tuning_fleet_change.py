@@ -1,7 +1,7 @@
 """While pods a scale-out added come up and their backlog drains, the tuner does not back max_num_seqs off
 for a breach: `scale_out_in_flight` on a table of scaler states, then `decide` with and without a
 scale-out in flight on the same windows (the back-off gives way to the next cure, or to holding;
-preemptions still back off)."""
+preemptions still back off); `OutsideScale` following a fleet sized outside the operator tick by tick."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from iterserve.operator.tuning.decide import BACK_OFF_SEQS, HOLD, LOWER_CHUNK, TunerState, decide
-from iterserve.operator.tuning.fleet_change import scale_out_in_flight
+from iterserve.operator.tuning.fleet_change import OutsideScale, scale_out_in_flight
 from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
 from tests.test_tuning_decide import POLICY as TUNING
 from tests.test_tuning_decide import START, window
@@ -82,3 +82,41 @@ def test_other_cures_and_preemptions_are_not_held():
     assert decide_at(ttft, IN_FLIGHT).action == decide_at(ttft, None).action != BACK_OFF_SEQS
     preempted = decide_at(window(waiting=3, preempt=2.0), IN_FLIGHT)
     assert preempted.action == BACK_OFF_SEQS and preempted.state.knobs.max_num_seqs < START.max_num_seqs
+
+
+def follow(ticks: list[tuple[int, int, float | None]], window_s: float = 60.0) -> list[str | None]:
+    """`OutsideScale` over ticks 5 s apart of (spec.replicas, pods ready, requests waiting after the tick):
+    what each tick tells the tuner."""
+    outside, said = OutsideScale(), []
+    for i, (replicas, ready, queued) in enumerate(ticks):
+        now = NOW + 5 * i
+        outside = outside.see(replicas, ready, now)
+        said.append(outside.in_flight(ready, window_s, now))
+        if queued is not None:
+            outside = outside.queue(queued, now)
+    return said
+
+
+def test_an_outside_scale_out_is_followed_from_start_through_the_drain():
+    said = follow([(1, 1, 30.0), (2, 1, 34.0), (2, 1, 38.0), (2, 2, 40.0)]  # an HPA's second pod starts
+                  + [(2, 2, 40.0 - 2 * i) for i in range(12)]  # a window of settling, the backlog falling
+                  + [(2, 2, 8.0), (2, 2, 9.0), (2, 2, 10.0)])  # the queue grows again: an overload, not held
+    assert said[0] is None  # the first count seen is no change
+    assert said[1] == said[2] == "pods added outside the operator are starting (1/2 ready)"
+    assert said[3] == "the 2 replicas the fleet grew to outside the operator are settling (60 s left)"
+    assert "settling (5 s left)" in said[14] and "draining the backlog (22 -> 20 waiting)" in said[15]
+    assert "(18 -> 8 waiting)" in said[-2] and said[-1] is None  # 8 -> 9: the queue grows, no longer held
+
+
+@pytest.mark.parametrize("name, ticks", [
+    ("a fleet that never changes", [(2, 2, 40.0)] * 4),
+    ("a scale-in", [(3, 3, 0.0), (2, 3, 0.0), (2, 2, 0.0)]),
+    ("a pod that is not ready, with no change of count", [(2, 2, 0.0), (2, 1, 0.0), (2, 1, 0.0)]),
+])
+def test_no_scale_out_no_hold(name, ticks):
+    assert follow(ticks) == [None] * len(ticks)
+
+
+def test_an_outside_scale_out_whose_pods_never_start_is_not_waited_for():
+    said = follow([(1, 1, None), (2, 1, None)] + [(2, 1, None)] * 119 + [(2, 1, None)])
+    assert said[1] is not None and said[-2] is not None and said[-1] is None  # 600 s on

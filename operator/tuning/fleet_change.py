@@ -12,33 +12,81 @@ another live run backed off on the first window after the settling, 40 requests 
 tuner does not back max_num_seqs off for a breach (decide.py's `cure_breach`); preemptions still back it
 off. Both the operator (operator/tuning_loop.py) and the simulator (benchmarks/autoscaling.py) call this
 before the tuner's tick.
+
+A fleet sized outside the operator (an HPA or KEDA on the scale subresource, a person) grows the same way
+and the tuner would back off the same way: live, the HPA's runs lost a window each to a back-off while
+the HPA's second pod started or drained the backlog. `OutsideScale` follows such a fleet from its replica
+count alone, keeping the scaler's bookkeeping as if the scaler had made the change, so that the same rule
+holds the back-off there.
 """
 
 from __future__ import annotations
 
-from iterserve.operator.tuning.scale_state import SCALE_OUT, ScalePolicy, ScaleState
+import dataclasses
+from dataclasses import dataclass, field
+
+from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
+
+AUTOSCALER, OUTSIDE = "the autoscaler", "outside the operator"  # who made the scale-out, for the reason
 
 
 def scale_out_in_flight(state: ScaleState, replicas: int, ready: int, policy: ScalePolicy,
-                        now: float) -> str | None:
+                        now: float, who: str = AUTOSCALER) -> str | None:
     """What the last scale-out is waiting for, or None when there is none in flight. `replicas` and `ready`
     are the Deployment's now; `state` is the scaler's after its last tick (it learns that the pods are all
-    ready at its next tick, which comes after the tuner's: `ready` says it first)."""
+    ready at its next tick, which comes after the tuner's: `ready` says it first). `who` made it, for the
+    reason: AUTOSCALER (spec.autoscaling) or OUTSIDE (`OutsideScale`)."""
+    added, grew = (f"pods {who} added", f"the {replicas} replicas {who} grew to") if who == AUTOSCALER else \
+        (f"pods added {who}", f"the {replicas} replicas the fleet grew to {who}")
     last = state.last_scale_time
     if last is None or state.last_direction != SCALE_OUT:
         return None
     if state.starting and ready < replicas:
         if now - last >= policy.pod_start_s:
             return None  # pods that never start must not hold the tuner back (the scaler gives up on them too)
-        return f"pods the autoscaler added are starting ({ready}/{replicas} ready)"
+        return f"{added} are starting ({ready}/{replicas} ready)"
     whole = now if state.starting else (state.whole_since or last)
     left = policy.settle_s - (now - max(last, whole))
     if left > 0:
-        return f"the {replicas} replicas the autoscaler grew to are settling ({left:.0f} s left)"
+        return f"{grew} are settling ({left:.0f} s left)"
     # the scaler's last two readings (its settling keeps them too), up to its last tick
     a, b = state.queue_before, state.last_queue
     if a is None or b is None or a[0] <= last or now - last >= policy.pod_start_s:
         return None
     if not a[1] > b[1] >= max(1.0, 0.5 * replicas):
         return None  # the backlog is gone, or the queue grows again: an overload of the new fleet
-    return f"the {replicas} replicas the autoscaler grew to are draining the backlog ({a[1]:.0f} -> {b[1]:.0f} waiting)"
+    return f"{grew} are draining the backlog ({a[1]:.0f} -> {b[1]:.0f} waiting)"
+
+
+@dataclass(frozen=True)
+class OutsideScale:
+    """A fleet whose replica count is set outside the operator, followed tick by tick: the count last seen
+    and the scaler's bookkeeping (`ScaleState`) as if it had made each change, for `scale_out_in_flight`.
+    `see` comes before the tuner's tick (a new count is a scale-out or a scale-in; all ready ends the
+    start), `queue` after it with the window's requests waiting, as the scaler's own tick records them."""
+
+    replicas: int | None = None
+    state: ScaleState = field(default_factory=ScaleState)
+
+    def see(self, replicas: int, ready: int, now: float) -> OutsideScale:
+        st = self.state
+        if self.replicas is not None and replicas != self.replicas:
+            out = replicas > self.replicas
+            st = dataclasses.replace(st, last_scale_time=now, last_direction=SCALE_OUT if out else SCALE_IN,
+                                     starting=out, whole_since=None if out else st.whole_since)
+        if st.starting and ready >= replicas:
+            st = dataclasses.replace(st, starting=False, whole_since=now)
+        return OutsideScale(replicas, st)
+
+    def queue(self, queued: float, now: float) -> OutsideScale:
+        return dataclasses.replace(self, state=dataclasses.replace(self.state, last_queue=(now, queued),
+                                                                   queue_before=self.state.last_queue))
+
+    def in_flight(self, ready: int, window_s: float, now: float) -> str | None:
+        """`scale_out_in_flight` for the count last seen (`see` it this tick first): pods settle over the
+        tuner's window `window_s`, and are not waited for past the scaler's default `pod_start_s`."""
+        if self.replicas is None:
+            return None
+        policy = ScalePolicy(min_replicas=1, max_replicas=max(1, self.replicas), settle_s=window_s,
+                             window_s=window_s)
+        return scale_out_in_flight(self.state, self.replicas, ready, policy, now, OUTSIDE)
