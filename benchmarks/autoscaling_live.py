@@ -62,6 +62,7 @@ from benchmarks.autoscaling import Hpa  # noqa: E402
 from benchmarks.tuning_load import Phase, StepLoad, send_load, share_within, window_figures  # noqa: E402
 from iterserve.bench.report import itls  # noqa: E402
 from iterserve.operator.builders.labels import IN_ROTATION, ROTATION_LABEL  # noqa: E402
+from iterserve.operator.conditions import AUTOSCALING, TUNED  # noqa: E402
 from iterserve.operator.constants import GROUP, PLURAL, VERSION  # noqa: E402
 from tests.dns_standin import HostsDns  # noqa: E402
 from tests.kube_support import start_cluster  # noqa: E402
@@ -181,6 +182,30 @@ class HpaPlayer(threading.Thread):
                 self.custom.patch_namespaced_custom_object_scale(
                     GROUP, VERSION, NAMESPACE, PLURAL, self.name, {"spec": {"replicas": want}})
                 self.changes.append((time.perf_counter(), want))
+
+
+class ConditionLog(threading.Thread):
+    """The service's Tuned and Autoscaling conditions as the operator writes them, each change with its time
+    (read every second): why the replicas and the knobs were what they were, tick by tick."""
+
+    def __init__(self, custom, name: str):
+        super().__init__(name=f"conditions-{name}", daemon=True)
+        self.custom, self.name = custom, name
+        self.stopped = threading.Event()
+        self.changes: list[tuple[float, str, str]] = []  # (perf_counter, type, "reason: message")
+
+    def run(self) -> None:
+        last: dict[str, str] = {}
+        while not self.stopped.wait(1.0):
+            try:
+                body = self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, self.name)
+            except kubernetes.client.ApiException:
+                continue
+            for c in (body.get("status") or {}).get("conditions") or []:
+                text = f"{c.get('reason')}: {c.get('message')}"
+                if c.get("type") in (TUNED, AUTOSCALING) and last.get(c["type"]) != text:
+                    last[c["type"]] = text
+                    self.changes.append((time.perf_counter(), c["type"], text))
 
 
 class Live:
@@ -306,6 +331,8 @@ def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
         player = HpaPlayer(live.custom, name, service, float(controller[4:]), setup)
     if controller == "router":
         router = Router(name, service)
+    conditions = ConditionLog(live.custom, name)
+    conditions.start()
     clock: dict = {}
 
     def on_start(t0: float) -> None:
@@ -315,6 +342,7 @@ def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
 
     route = route_of(service) if router is None else (lambda: router.url)
     records = send_load(service.endpoints()[0], setup.load, drain_s=60.0, on_start=on_start, route=route)
+    conditions.stopped.set()
     if player is not None:
         player.stopped.set()
     router_log = router.stop() if router is not None else ""
@@ -335,6 +363,7 @@ def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
         "windows": windows, "timeline": timeline, "events": events,
         "hpa_changes": [(round(t - t0, 1), n) for t, n in player.changes] if player else [],
         "router_log": router_log.splitlines()[-20:],
+        "conditions": [(round(t - t0, 1), kind, text) for t, kind, text in conditions.changes],
     }
     live.delete(name, service)
     return figures

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from iterserve.common.wire import Knobs
+from iterserve.operator.tuning.corrections import gentler_chunk
 from iterserve.operator.tuning.decide import (
     BACK_OFF_SEQS,
     CLAMP,
@@ -19,9 +20,9 @@ from iterserve.operator.tuning.decide import (
     TunerState,
     decide,
 )
-from iterserve.operator.tuning.failures import same_mix
+from iterserve.operator.tuning.failures import mark_failed, same_mix
 from iterserve.operator.tuning.observation import Observation
-from iterserve.operator.tuning.policy import InvalidPolicyError, TuningPolicy
+from iterserve.operator.tuning.policy import InvalidPolicyError, KnobBounds, TuningPolicy
 
 POLICY = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, max_num_seqs_bounds=(2, 32),
                       prefill_chunk_size_bounds=(32, 512), interval_s=10, window_s=10, cooldown_s=10,
@@ -287,11 +288,11 @@ def test_only_raises_the_decodes_did_not_pay_for_are_undone_when_they_return():
     ("raised with decodes cheap: the way back stays open", [window(ttft=1300, itl=16), no_decodes(300), ITL_OVER],
      [RAISE_CHUNK, HOLD, LOWER_CHUNK], [256, 256, 128]),
     # raised with chats decoding near their SLO: the return says 128 did not pay, and chunk_back_for_decodes has
-    # nothing to
-    # undo; the ITL breach is confirmed over two windows, and with 128 blocked max_num_seqs backs off
+    # nothing to undo; the ITL breach is confirmed over two windows, and with 128 blocked the chunk takes half
+    # a step (176) before max_num_seqs would back off
     ("raised with decodes near their SLO: 128 is marked failed",
      [window(ttft=1300, itl=40)] * 2 + [no_decodes(300)] + [ITL_OVER] * 2,
-     [HOLD, RAISE_CHUNK, HOLD, HOLD, BACK_OFF_SEQS], [128, 256, 256, 256, 256]),
+     [HOLD, RAISE_CHUNK, HOLD, HOLD, LOWER_CHUNK], [128, 256, 256, 256, 176]),
 ])
 def test_a_raise_with_decodes_cheap_leaves_the_way_back_to_its_chunk_open(name, windows, want_actions,
                                                                          want_chunks):
@@ -415,13 +416,35 @@ def test_a_smaller_chunk_is_not_blamed_for_the_itl_of_a_burst_of_prompts():
     assert d[-1].state.knobs.prefill_chunk_size == 32
 
 
+@pytest.mark.parametrize("chunk, bounds, want", [
+    (128, (32, 512), 96), (256, (32, 512), 176), (512, (32, 512), 368), (96, (32, 512), 64),
+    (64, (64, 512), 64),  # at the bound: no step left
+    (48, (16, 512), 32), (16, (1, 512), 16),  # never under 16
+])
+def test_half_a_chunk_step_is_a_multiple_of_16_inside_the_bounds(chunk, bounds, want):
+    assert gentler_chunk(chunk, KnobBounds(*bounds), POLICY) == want
+
+
+def test_a_failed_halving_takes_half_a_chunk_step_before_the_batch_backs_off():
+    # decodes over their SLO, first tokens in time, 128 -> 64 failed lately (it broke TTFT): 96, and only once
+    # that fails too (or is blocked: the next half step lands on 64) does max_num_seqs back off
+    failed = mark_failed((), START.replace(prefill_chunk_size=64), 0.0, POLICY, LOWER_CHUNK, None)
+    d = run([ITL_OVER, ITL_OVER, ITL_OVER], state=TunerState(START, failed=failed), start_time=10.0)
+    assert actions(d) == [HOLD, LOWER_CHUNK, BACK_OFF_SEQS], d[-1].reason
+    assert [x.state.knobs.prefill_chunk_size for x in d] == [128, 96, 96]
+    assert d[-1].state.knobs.max_num_seqs < START.max_num_seqs
+
+
 def test_no_better_setting_once_every_move_failed():
-    # both over, nothing queued: back off, then a smaller chunk; each makes ITL worse and is reverted
+    # both over, nothing queued: back off, then a smaller chunk, then half a chunk step; each makes ITL worse
+    # and is reverted
     worse = window(ttft=1400, itl=150)
-    d = run([BOTH_OVER, BOTH_OVER, worse, BOTH_OVER, worse, BOTH_OVER])
-    assert actions(d) == [HOLD, BACK_OFF_SEQS, ROLLBACK, LOWER_CHUNK, ROLLBACK, HOLD]
+    d = run([BOTH_OVER, BOTH_OVER, worse, BOTH_OVER, worse, BOTH_OVER, worse, BOTH_OVER])
+    assert actions(d) == [HOLD, BACK_OFF_SEQS, ROLLBACK, LOWER_CHUNK, ROLLBACK, LOWER_CHUNK, ROLLBACK, HOLD]
+    assert d[3].state.knobs.prefill_chunk_size * 2 == START.prefill_chunk_size  # a full step, then half of one
+    assert d[5].state.knobs.prefill_chunk_size == 96
     assert d[-1].state.knobs == START
-    assert d[-1].tuned.reason == "NoBetterSetting" and d[-1].tuned.message.count("retry in") == 2
+    assert d[-1].tuned.reason == "NoBetterSetting" and d[-1].tuned.message.count("retry in") == 3
     assert "p99 ITL/SLO 1.20 -> 1.50 with no more prefill work" in d[2].reason
 
 

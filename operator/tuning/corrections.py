@@ -14,7 +14,7 @@ from iterserve.operator.tuning.chunk_moves import chunk_bounds, chunk_steps, dec
 from iterserve.operator.tuning.decision import Condition, Decision, PendingChange, TunerState, breached, move, stay
 from iterserve.operator.tuning.failures import FailedSetting, mark_failed
 from iterserve.operator.tuning.observation import Observation
-from iterserve.operator.tuning.policy import TuningPolicy
+from iterserve.operator.tuning.policy import KnobBounds, TuningPolicy
 from iterserve.operator.tuning.reading import Reading
 
 
@@ -73,6 +73,11 @@ def corrections(k: Knobs, obs: Observation, r: Reading, policy: TuningPolicy, tt
     chunks = chunk_bounds(k, policy)
     smaller = (LOWER_CHUNK, k.replace(prefill_chunk_size=chunks.clamp(math.floor(k.prefill_chunk_size
                                                                                 / policy.chunk_factor))))
+    # the halved chunk failed lately (its prefill took so many more steps that TTFT broke): half a step,
+    # before the batch pays. Live near two pods' capacity, 128 -> 64 broke TTFT, and the back-off of
+    # max_num_seqs that came next (16 -> 4) moved p99 ITL only 227 -> 195 ms (the chunk riding along is
+    # most of a step) while the queue it built breached TTFT for the next 80 s
+    gentler = (LOWER_CHUNK, k.replace(prefill_chunk_size=gentler_chunk(k.prefill_chunk_size, chunks, policy)))
     # TTFT far over while ITL has headroom: the chunk may go up two steps at once (chunk_steps); should
     # that jump have failed lately, one step is still worth a try
     jumps = {chunks.clamp(math.ceil(k.prefill_chunk_size * policy.chunk_factor ** n))
@@ -86,12 +91,12 @@ def corrections(k: Knobs, obs: Observation, r: Reading, policy: TuningPolicy, tt
         # decode steps are slow while first tokens come in time: prefill riding along in big chunks stalls
         # them. The chunk goes first even without TTFT headroom: a back-off queues requests and costs far
         # more TTFT (0.88 -> 2.63 of its SLO in one window in benchmarks/tuning.py) than a smaller chunk
-        return [smaller, fewer]
+        return [smaller, gentler, fewer]
     if ttft_bad and not itl_bad:
         if r.itl <= room:
             return [more, *larger] if capped else larger  # too few places in the batch, or too many steps
         return [smaller, more] if capped else larger  # make ITL room before adding sequences
-    overload = [smaller, fewer] if capped else [fewer, smaller]  # a smaller chunk first: it costs no capacity
+    overload = [smaller, gentler, fewer] if capped else [fewer, smaller, gentler]  # a smaller chunk costs no capacity
     queue_leads = r.ttft >= policy.severe_ratio and r.ttft > r.itl
     if new_queue and queue_leads:
         # both over, TTFT suddenly and the farther: a new load's prompts queue and stall the decodes left from
@@ -103,6 +108,14 @@ def corrections(k: Knobs, obs: Observation, r: Reading, policy: TuningPolicy, tt
     # documents' onset chunk 256 was held for 36 s, p99 TTFT 3.7x its SLO and 14 documents waiting, while
     # 512 was free)
     return overload + (larger if queue_leads else [])
+
+
+def gentler_chunk(chunk: int, bounds: KnobBounds, policy: TuningPolicy) -> int:
+    """Half a chunk step down (chunk / sqrt(chunk_factor)), a multiple of 16: 128 -> 96, 256 -> 176. Taken
+    only when the full step is blocked (a failure blocks its chunk and every smaller one); the next half
+    step lands on the blocked chunk or below it (96 -> 64, 176 -> 128), so one half step, two for a chunk
+    off the powers of two, stands between a failed halving and a back-off."""
+    return bounds.clamp(max(16, round(chunk / math.sqrt(policy.chunk_factor) / 16) * 16))
 
 
 def correct(s: TunerState, policy: TuningPolicy, now: float, r: Reading, moves: list[tuple[str, Knobs]],
