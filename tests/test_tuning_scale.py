@@ -275,11 +275,19 @@ def test_readings_older_than_the_windows_it_weighs_are_dropped():
 
 def test_headroom_and_pressure_are_timed_from_their_first_window():
     s = decide_scale(ScaleState(), fleet(window(rate=1.0, running=1)), POLICY, NOW).state
-    assert s.headroom_since == NOW
+    assert s.headroom_since == NOW - 60  # the first window that showed it measured it from its start
     s = decide_scale(s, fleet(window(rate=1.0, running=1)), POLICY, NOW + 30).state
-    assert s.headroom_since == NOW  # still the first
+    assert s.headroom_since == NOW - 60  # still the first
     s = decide_scale(s, fleet(window(ttft=900)), POLICY, NOW + 60).state
     assert s.headroom_since is None  # lost: the window starts again
+
+
+def test_headroom_is_not_dated_back_past_the_last_scale():
+    # the window after a change is read only once it lies wholly after it (settling); should it reach back
+    # further, the time before the change was another fleet's
+    st = ScaleState(last_scale_time=NOW - 30, last_direction=SCALE_IN)
+    s = decide_scale(st, fleet(window(rate=1.0, running=1)), dataclasses.replace(POLICY, settle_s=0), NOW).state
+    assert s.headroom_since == NOW - 30
 
 
 @settings(max_examples=300, deadline=None)

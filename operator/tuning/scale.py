@@ -6,8 +6,9 @@ verdict is BoundsReached or NoBetterSetting, or it has just rolled a change back
 moves nothing, any confirmed breach) and the SLO is still breached, or when the waiting queue keeps growing
 whatever the tuner says (arrivals outrun the fleet), or when the breach stands over a backlog the fleet is
 not working off (it finishes what arrives and no more, so the queue and the breach stay). It shrinks once
-the fleet has had headroom for the scale-down stabilization window and the load spread over one pod fewer
-would still fit with a margin, by as many pods as the load leaves room for (at most half the fleet).
+the fleet has had headroom for the scale-down stabilization window (from the start of the first window that
+showed it) and the load spread over one pod fewer would still fit with a margin, by as many pods as the load
+leaves room for (at most half the fleet).
 `SCALE_RULES` is an ordered table like the tuner's `RULES`: the first rule that decides wins.
 
 What one pod can carry is learned, not configured: at each scale-out on full batches the per-pod
@@ -177,10 +178,22 @@ class Tick:
         if capacity is not None and met and self.per_pod_rate > capacity:
             capacity = self.per_pod_rate
         proven = max(st.proven or 0.0, self.per_pod_rate) if met else st.proven
+        headroom_since = None
+        if self.headroom:
+            headroom_since = self.window_start if st.headroom_since is None else st.headroom_since
         return dataclasses.replace(
             st, capacity=capacity, proven=proven, capacity_knobs=f.knobs if capacity is not None else None,
             pressure_since=(st.pressure_since if st.pressure_since is not None else now) if pressure else None,
-            headroom_since=(st.headroom_since if st.headroom_since is not None else now) if self.headroom else None)
+            headroom_since=headroom_since)
+
+    @property
+    def window_start(self) -> float:
+        """Since when the window's figures hold: its start, not before the last change of the fleet. Headroom
+        is timed from there: the window that first shows it measured it over all its length, and timed from
+        its end, a pod stayed a window longer after every peak (live, 81-94 s after the load fell with a
+        60-s scale-down window, where the HPA's pod went after 47-62 s)."""
+        start = self.seen.start
+        return start if self.state.last_scale_time is None else max(start, self.state.last_scale_time)
 
     def step_limit(self, n: int) -> int:
         p = self.policy
