@@ -28,7 +28,10 @@ SLOs are factors of the first two, the load's rates factors of the one-pod capac
 windows, within SLO when the p99 TTFT of the requests that arrived in them and the p99 of the gaps that
 ended in them meet the SLOs (benchmarks/tuning_load.py); "after convergence" leaves out the windows that
 overlap the `--settle-s` after each step of the load; replica-seconds are the pods that existed (starting,
-serving or draining) integrated over the load. Runs alternate their order from round to round. A benchmark:
+serving or draining) integrated over the load. `--json` keeps each run's windows, pods, Events and the
+Tuned and Autoscaling conditions as the operator wrote them, each change with its second (`conditions`:
+why the replicas and knobs were what they were, tick by tick). Runs alternate their order from round to
+round. A benchmark:
 it prints and asserts nothing. `tests/test_autoscaling_live.py` runs a small one on the tiny model.
 
     python benchmarks/autoscaling_live.py                         # 1 round: knobs, replicas, router, hpa 1 and 4
