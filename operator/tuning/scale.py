@@ -190,8 +190,8 @@ class Tick:
     def window_start(self) -> float:
         """Since when the window's figures hold: its start, not before the last change of the fleet. Headroom
         is timed from there: the window that first shows it measured it over all its length, and timed from
-        its end, a pod stayed a window longer after every peak (live, 81-94 s after the load fell with a
-        60-s scale-down window, where the HPA's pod went after 47-62 s)."""
+        its end, a pod stayed a window longer after every peak (live, with a 60-s scale-down window, the
+        second pod went 81-102 s after the load fell; timed from the start, 56 s)."""
         start = self.seen.start
         return start if self.state.last_scale_time is None else max(start, self.state.last_scale_time)
 
