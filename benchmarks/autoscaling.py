@@ -4,12 +4,14 @@ a grid, side by side in one run.
 
     python benchmarks/autoscaling.py [--fleets 2,4,8,16,32] [--seeds 3] [--thresholds 0.5,1,2,4,8,16]
                                      [--routings round-robin,least-load] [--max-replicas 2] [--min-replicas 1]
-                                     [--scenario tuning-tests|live-fit|live-fit-shared] [--no-rotation]
+                                     [--scenario tuning-tests|live-fit|live-fit-shared|live-fit-dips]
+                                     [--no-rotation]
                                      [--out benchmarks/results/autoscaling.json]   # a few minutes here
 
 What runs is a scenario (benchmarks/fleet_scenario.py): the table of record's, described below, or the
 same model fitted to the live pods of benchmarks/autoscaling_live.py at their cadence (a tick every 5 s on
-a 20-s window, the SLO judged on back-to-back 20-s windows), load and pod starts.
+a 20-s window, the SLO judged on back-to-back 20-s windows), load and pod starts, or those pods under a
+longer peak broken by two 30-s dips.
 
 The fleet (benchmarks/fleet_sim.py): pods of the latency model the tuning tests use
 (tests/tuning_latency_model.py: M/M/c-like queueing, a backlog above capacity, ITL growing with the batch

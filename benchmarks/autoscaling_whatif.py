@@ -18,6 +18,8 @@ without the operator's rotation):
 - `tuner holds while scaling`: the tuner moves no knob (preemptions excepted) while pods a scale-out
   added are starting and for a window after the fleet last changed (`tuner_holds_while_scaling`), tried
   and not adopted (the product holds back a back-off of max_num_seqs only: operator/tuning/fleet_change.py);
+- `headroom on latency alone`: the autoscaler's headroom judged on TTFT (the queue's drain included) and
+  not on how many requests wait (`LatencyHeadroom`), tried and not adopted;
 - `no rotation` (behind round-robin): a plain Service alone, without the operator's rotation
   (operator/tuning/rotation.py): what the benchmark ran before it;
 - `least-load`: behind spec.router instead of the routing given.
@@ -34,6 +36,7 @@ import argparse
 import statistics
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +130,31 @@ def out_on_waiting(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: fl
                    f"and the tuner holds its knobs", capacity=t.per_pod_rate or None)
 
 
+class LatencyHeadroom(Tick):
+    """The product's tick with headroom judged on latency alone, tried and not adopted
+    (docs/benchmarks-autoscaling.md, "Why headroom counts the queue"): the SLO met with TTFT, the queue's drain
+    included (the reading's), under the headroom line and the queue not growing, however many requests
+    wait. Two pods at 80% of their capacity keep a request or two waiting at a TTFT far under its SLO, so
+    their headroom holds through the peak and the pod goes as soon as a window shows the load fallen,
+    after a dip as after a step."""
+
+    @cached_property
+    def headroom(self) -> bool:
+        f = self.fleet
+        if f.obs is None or f.obs.preemption_rate > 0:
+            return False
+        if f.reading is None:
+            return f.obs.queued < 0.5 * max(f.replicas, 1)
+        r = f.reading
+        return r.met and r.ttft <= self.policy.headroom_line and r.trouble is None and self.growth is None
+
+
+def headroom_on_latency(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: float) -> ScaleDecision:
+    """`decide_scale` on a `LatencyHeadroom` tick."""
+    t = LatencyHeadroom(state, fleet, policy, now)
+    return next(d for rule in SCALE_RULES if (d := rule(t)) is not None)
+
+
 def tuner_holds_while_scaling(state: ScaleState, replicas: int, ready: int, policy: ScalePolicy,
                               now: float) -> str | None:
     """A rule tried for the tuner and not adopted (docs/benchmarks-autoscaling.md): while the replicas change
@@ -155,11 +183,13 @@ def cases(fleet: int, routing: str, start_s: float, scenario: Scenario = TUNING_
         "minReplicas 2": {"min_replicas": 2},
         "pod more on waiting queue": {"scaler": out_on_waiting},
         "tuner holds while scaling": {"tuner_hold": tuner_holds_while_scaling},
+        "headroom on latency alone": {"scaler": headroom_on_latency},
         "no rotation": {"rotation": False},
         "least-load": {"routing": "least-load"},
     } if routing != "least-load" else {"as is": {}, "foresight": {"asks": Asks(peak, hi)},
                                        "pod more on waiting queue": {"scaler": out_on_waiting},
-                                       "tuner holds while scaling": {"tuner_hold": tuner_holds_while_scaling}}
+                                       "tuner holds while scaling": {"tuner_hold": tuner_holds_while_scaling},
+                                       "headroom on latency alone": {"scaler": headroom_on_latency}}
 
 
 def run_case(fleet: int, seed: int, routing: str, start_s: float, kw: dict, trace: Trace | None = None,

@@ -1,7 +1,7 @@
 """What the fleet simulator (benchmarks/autoscaling.py) runs: a `Scenario` is the pods' latency model, the
 SLO and tuner policy, the tick and window, the load's phases and the pods' start time, in one value.
 
-Two scenarios:
+Three scenarios:
 - `TUNING_TESTS`: the latency model the tuning tests use (tests/tuning_latency_model.py's defaults: a pod
   finishing 20 requests/s within a 1.5-s TTFT and 40-ms ITL SLO), 30-s ticks on 30-s windows, pods ready
   60 s after the ask; the table of record in docs/benchmarks-autoscaling.md.
@@ -12,6 +12,8 @@ Two scenarios:
   load (0.4, 1.4, 0.4 x one pod for 90, 180, 150 s per 2 pods of F), pods Ready ~12 s after the ask, its
   60-s scale-down window and the HPA's 15-s sync. `shared_cores` (the live machine: two pods and everything
   else on 2 cores) slows each pod when two run, by what the calibration's two-pod run measured.
+- `live_fit_dips`: the same pods, the peak three times as long and broken by two 30-s dips to the low
+  load (a step down that does not last: what the scale-down stabilization window guards against).
 
 The fit (`fit_model`) solves the model's own formulas (with `exact_prefill`: on one CPU thread a request's
 prompt costs ~3 times its decode, so prefill is most of a pod's work) for its three step-time constants:
@@ -154,5 +156,15 @@ def live_fit(cal: Calibration = LIVE_CALIBRATION, shared_cores: bool = False) ->
         shared_cores={2: cal.two_pods_rps / (2 * cal.one_pod_rps)} if shared_cores else {})
 
 
+def live_fit_dips(cal: Calibration = LIVE_CALIBRATION) -> Scenario:
+    """`live_fit` with the peak three times as long and broken twice by 30 s of the low load: a step down
+    that does not last. What a scale-down stabilization window is for, and what a stepped load cannot
+    tell from a step that does (each dip's first seconds are the step's)."""
+    sc = live_fit(cal)
+    (low, first), (high, _), last = sc.phases
+    return replace(sc, name="live-fit-dips", phases=((low, first), (high, 150.0), (low, 30.0), (high, 150.0),
+                                                     (low, 30.0), (high, 150.0), last))
+
+
 SCENARIOS = {"tuning-tests": lambda: TUNING_TESTS, "live-fit": live_fit,
-             "live-fit-shared": lambda: live_fit(shared_cores=True)}
+             "live-fit-shared": lambda: live_fit(shared_cores=True), "live-fit-dips": live_fit_dips}

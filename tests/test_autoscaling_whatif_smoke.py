@@ -10,10 +10,22 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.autoscaling_whatif import cases, main, missed, peak_tick, run_case, tuner_holds_while_scaling
+from benchmarks.autoscaling_whatif import (
+    LatencyHeadroom,
+    cases,
+    main,
+    missed,
+    peak_tick,
+    run_case,
+    tuner_holds_while_scaling,
+)
 from benchmarks.fleet_scenario import TUNING_TESTS
 from iterserve.operator.tuning.actions import HOLD
-from iterserve.operator.tuning.scale import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
+from iterserve.operator.tuning.decision import Condition
+from iterserve.operator.tuning.observation import Observation
+from iterserve.operator.tuning.policy import TuningPolicy
+from iterserve.operator.tuning.reading import read
+from iterserve.operator.tuning.scale import SCALE_IN, SCALE_OUT, Fleet, ScalePolicy, ScaleState, Tick
 
 PEAK_TICK = peak_tick(TUNING_TESTS)
 
@@ -96,3 +108,19 @@ def test_without_rotation_every_case_runs_behind_a_plain_service(capsys):
     assert "round-robin, no rotation" in lines[0]
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines[2:]}
     assert rows["as is"] == rows["no rotation"]  # the case `no rotation` is then the run as is
+
+
+@pytest.mark.parametrize("waiting, product, tried", [(0.0, True, True), (1.5, False, True), (3.5, False, False)])
+def test_headroom_on_latency_alone_weighs_the_queue_only_through_ttft(waiting, product, tried):
+    """Two pods, TTFT p99 at half its SLO: the product's headroom wants under half a request waiting per pod;
+    the tried variant takes any queue whose drain (Little's law: 1.5 waiting at 4 requests/s finishing is
+    0.375 s, 3.5 is 0.875 s of a 1-s SLO) keeps the reading's TTFT under the headroom line (0.8)."""
+    obs = Observation(start=940.0, end=1000.0, num_pods=2, num_samples=100, ttft_p99_s=0.5, itl_p99_s=0.05,
+                      request_rate=4.0, prompt_token_rate=400.0, generation_token_rate=200.0, waiting=waiting,
+                      running=8.0, queue_time_mean_s=None, kv_usage=0.3, preemption_rate=0.0, error_rate=0.0)
+    tuning = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, min_samples=20)
+    fleet = Fleet(replicas=2, ready=2, obs=obs, reading=read(obs, tuning), verdict=Condition("True", "SLOMet", ""),
+                  tuner_action=HOLD, batch_cap=16)
+    policy = ScalePolicy(min_replicas=1, max_replicas=4)
+    assert Tick(ScaleState(), fleet, policy, 1000.0).headroom is product
+    assert LatencyHeadroom(ScaleState(), fleet, policy, 1000.0).headroom is tried

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.autoscaling import CAPACITY, simulate
-from benchmarks.fleet_scenario import LIVE_CALIBRATION, TUNING_TESTS, fit_model, live_fit
+from benchmarks.fleet_scenario import LIVE_CALIBRATION, SCENARIOS, TUNING_TESTS, fit_model, live_fit, live_fit_dips
 from benchmarks.fleet_sim import FleetSim, merge_windows
 from iterserve.operator.tuning.observation import Observation
 from tests.tuning_latency_model import LatencyModel
@@ -35,6 +35,20 @@ def test_the_live_fit_poses_the_live_problem_and_the_record_scenario_is_the_tuni
     assert sc.slo_capacity() < peak < 2 * sc.slo_capacity()  # one pod cannot carry it at any knobs; two can
     assert sc.window_ticks == 4 and sc.ticks(sc.settle_s) == 12
     assert live_fit(shared_cores=True).shared_cores[2] == pytest.approx(6.45 / 7.30)
+
+
+def test_the_dips_break_the_live_peak_with_steps_down_that_do_not_last():
+    sc, live = live_fit_dips(), live_fit()
+    assert (sc.model, sc.policy, sc.start, sc.start_s, sc.scale_down_s, sc.hpa_period_s) == (
+        live.model, live.policy, live.start, live.start_s, live.scale_down_s, live.hpa_period_s)
+    (low, _), (high, _), _ = live.phases
+    assert sc.phases == ((low, 90.0), (high, 150.0), (low, 30.0), (high, 150.0), (low, 30.0), (high, 150.0),
+                         (low, 150.0))
+    assert SCENARIOS["live-fit-dips"]().phases == sc.phases
+    run = simulate(2, seed=0, controller="replicas", max_replicas=2, scenario=sc)
+    assert len(run.replicas) == sum(s for _, s in sc.phases) / sc.tick_s
+    # each dip's first 60 s count as settling: the dips and the windows after them are not judged
+    assert sum(run.settled) == 17
 
 
 def test_pods_sharing_the_cores_finish_less_each():

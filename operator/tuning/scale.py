@@ -134,7 +134,10 @@ class Tick:
         """The SLO met with TTFT under the headroom line and next to nothing waiting, or a quiet fleet (too
         few requests to measure, none waiting). TTFT is what queueing moves as the load per pod grows;
         ITL moves mostly with the knobs (the chunk riding along), so it must only be met: whether one pod
-        fewer would still fit is `scale_in`'s capacity test."""
+        fewer would still fit is `scale_in`'s capacity test. The queue is counted, not only weighed through
+        TTFT (the reading's drain): judged on TTFT alone, two pods at 80% of their capacity (a request or
+        two waiting) kept their headroom through a peak and gave a pod back on a 30-s dip inside it as on a
+        step down (benchmarks/autoscaling_whatif.py, `headroom on latency alone`)."""
         f = self.fleet
         if f.obs is None or f.obs.queued >= 0.5 * max(f.replicas, 1) or f.obs.preemption_rate > 0:
             return False
