@@ -132,11 +132,11 @@ def out_on_waiting(state: ScaleState, fleet: Fleet, policy: ScalePolicy, now: fl
 
 class LatencyHeadroom(Tick):
     """The product's tick with headroom judged on latency alone, tried and not adopted
-    (docs/benchmarks-autoscaling.md, "Why headroom counts the queue"): the SLO met with TTFT, the queue's drain
-    included (the reading's), under the headroom line and the queue not growing, however many requests
-    wait. Two pods at 80% of their capacity keep a request or two waiting at a TTFT far under its SLO, so
-    their headroom holds through the peak and the pod goes as soon as a window shows the load fallen,
-    after a dip as after a step."""
+    (docs/benchmarks-autoscaling.md, "Headroom judged on TTFT alone"): the SLO met with TTFT, the queue's
+    drain included (the reading's), under the headroom line and the queue not growing, however many
+    requests wait. Two pods at 80% of their capacity keep a request or two waiting at a TTFT far under its
+    SLO, so their headroom holds through the peak; the scale-in then fits the peak's windows too
+    (`Tick.load`), and the pod goes a scale-down window after them."""
 
     @cached_property
     def headroom(self) -> bool:

@@ -159,6 +159,15 @@ ROWS = [
      (SCALE_IN, 2, "ScaledIn", "1.00 requests/s per pod over 2 pods within 80% of the 5.00")),
     ("headroom, but one pod fewer would pass the capacity learned at the last scale-out",
      HEADROOM_LONG, fleet(window(rate=9.0, running=2)), POLICY, (STAY, 2, "Steady", "would pass 80% of the 5.00")),
+    ("headroom, but a window since it began finished more than one pod fewer carries: the highest load counts",
+     dataclasses.replace(HEADROOM_LONG, loads=((NOW - 30, NOW - 90, 9.0, 4.0),)), fleet(window(rate=2.0, running=2)),
+     POLICY, (STAY, 2, "Steady", "9.00 requests/s per pod over 1 pod would pass 80% of the 5.00")),
+    ("... a window read before the headroom began does not count",
+     dataclasses.replace(HEADROOM_LONG, loads=((NOW - 30, NOW - 500, 9.0, 4.0),)), fleet(window(rate=2.0, running=2)),
+     POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
+    ("... nor one read longer ago than the scale-down window",
+     dataclasses.replace(HEADROOM_LONG, loads=((NOW - 301, NOW - 361, 9.0, 4.0),)), fleet(window(rate=2.0, running=2)),
+     POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
     ("headroom, but one pod fewer would carry more per pod than has been seen within the SLO",
      dataclasses.replace(HEADROOM_LONG, capacity=None, proven=4.0), fleet(window(rate=4.4, running=2)), POLICY,
      (STAY, 2, "Steady", "4.40 requests/s per pod over 1 pod is more than the 4.00")),
@@ -282,6 +291,14 @@ def test_headroom_and_pressure_are_timed_from_their_first_window():
     assert s.headroom_since is None  # lost: the window starts again
 
 
+def test_each_whole_window_is_kept_for_the_scale_down_window():
+    old = ((NOW - 400, NOW - 460, 9.0, 1.0), (NOW - 100, NOW - 160, 3.0, 1.0))
+    t = Tick(ScaleState(loads=old), fleet(window(rate=2.0, running=2)), POLICY, NOW)
+    assert t.s.loads == (old[1], (NOW, NOW - 60, 2.0, t.seen.in_batch + t.seen.queued))
+    short = dataclasses.replace(window(rate=2.0, running=2), start=NOW - 10)  # after a knob change: not kept
+    assert Tick(ScaleState(loads=old), fleet(short), POLICY, NOW).s.loads == (old[1],)
+
+
 def test_headroom_is_not_dated_back_past_the_last_scale():
     # the window after a change is read only once it lies wholly after it (settling); should it reach back
     # further, the time before the change was another fleet's
@@ -296,14 +313,14 @@ def test_headroom_is_not_dated_back_past_the_last_scale():
        verdict=st.sampled_from([MET, BOUNDS, NO_BETTER, BREACHED, NOT_OBSERVED]),
        action=st.sampled_from([HOLD, ROLLBACK, RAISE_SEQS]), since=st.floats(0, 2000),
        capacity=st.none() | st.floats(0.1, 50), lo=st.integers(1, 8), span=st.integers(0, 24),
-       start_s=st.none() | st.floats(0, 600), queued_before=st.floats(0, 400))
+       start_s=st.none() | st.floats(0, 600), queued_before=st.floats(0, 400), earlier=st.floats(0, 100))
 def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_into_what_fits(
         replicas, ready, ttft, rate, waiting, running, samples, verdict, action, since, capacity, lo, span, start_s,
-        queued_before):
+        queued_before, earlier):
     policy = dataclasses.replace(POLICY, min_replicas=lo, max_replicas=lo + span)
     state = ScaleState(last_scale_time=NOW - since, last_direction=SCALE_OUT, capacity=capacity,
                        headroom_since=NOW - since, pressure_since=NOW - since, start_s=start_s,
-                       last_queue=(NOW - 30, queued_before))
+                       last_queue=(NOW - 30, queued_before), loads=((NOW - 20, NOW - since, earlier, 0.0),))
     obs = window(ttft=ttft, n=samples, waiting=waiting, running=running, rate=rate, pods=max(1, min(ready, replicas)))
     d = decide_scale(state, fleet(obs, replicas=replicas, ready=ready, verdict=verdict, action=action), policy, NOW)
     assert policy.min_replicas <= d.replicas <= policy.max_replicas
@@ -314,7 +331,8 @@ def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_into_what_fits(
             # the capacity as this tick left it: a window that met the SLO at a higher per-pod rate raises it
             learned = d.state.capacity
             assert learned is not None and learned >= capacity
-            assert rate / d.replicas <= (1 - policy.margin) * learned + 1e-9
+            # and of every window since the headroom began
+            assert max(rate, earlier) / d.replicas <= (1 - policy.margin) * learned + 1e-9
     if inside and d.action == SCALE_OUT:
         assert replicas < d.replicas <= max(2 * replicas, replicas + 4)
     if d.action == STAY:

@@ -7,8 +7,8 @@ moves nothing, any confirmed breach) and the SLO is still breached, or when the 
 whatever the tuner says (arrivals outrun the fleet), or when the breach stands over a backlog the fleet is
 not working off (it finishes what arrives and no more, so the queue and the breach stay). It shrinks once
 the fleet has had headroom for the scale-down stabilization window (from the start of the first window that
-showed it) and the load spread over one pod fewer would still fit with a margin, by as many pods as the load
-leaves room for (at most half the fleet).
+showed it) and the load of every window since the headroom began (within that window) spread over one pod
+fewer would still fit with a margin, by as many pods as that load leaves room for (at most half the fleet).
 `SCALE_RULES` is an ordered table like the tuner's `RULES`: the first rule that decides wins.
 
 What one pod can carry is learned, not configured: at each scale-out on full batches the per-pod
@@ -134,10 +134,10 @@ class Tick:
         """The SLO met with TTFT under the headroom line and next to nothing waiting, or a quiet fleet (too
         few requests to measure, none waiting). TTFT is what queueing moves as the load per pod grows;
         ITL moves mostly with the knobs (the chunk riding along), so it must only be met: whether one pod
-        fewer would still fit is `scale_in`'s capacity test. The queue is counted, not only weighed through
-        TTFT (the reading's drain): judged on TTFT alone, two pods at 80% of their capacity (a request or
-        two waiting) kept their headroom through a peak and gave a pod back on a 30-s dip inside it as on a
-        step down (benchmarks/autoscaling_whatif.py, `headroom on latency alone`)."""
+        fewer would still fit is `scale_in`'s capacity test. Requests waiting are counted, not only weighed
+        through TTFT (the reading's drain): a fleet whose batches are full is not at ease, whatever its p99
+        (judged on TTFT alone, `headroom on latency alone` in benchmarks/autoscaling_whatif.py, the fitted
+        fleets came out within 2%)."""
         f = self.fleet
         if f.obs is None or f.obs.queued >= 0.5 * max(f.replicas, 1) or f.obs.preemption_rate > 0:
             return False
@@ -181,13 +181,28 @@ class Tick:
         if capacity is not None and met and self.per_pod_rate > capacity:
             capacity = self.per_pod_rate
         proven = max(st.proven or 0.0, self.per_pod_rate) if met else st.proven
+        kept = tuple(x for x in st.loads if x[0] > now - self.policy.scale_down_window_s)
+        loads = kept if self.partial else (*kept, (now, f.obs.start, f.obs.request_rate, f.obs.in_batch + f.obs.queued))
         headroom_since = None
         if self.headroom:
             headroom_since = self.window_start if st.headroom_since is None else st.headroom_since
         return dataclasses.replace(
-            st, capacity=capacity, proven=proven, capacity_knobs=f.knobs if capacity is not None else None,
+            st, capacity=capacity, proven=proven, loads=loads, capacity_knobs=f.knobs if capacity is not None else None,
             pressure_since=(st.pressure_since if st.pressure_since is not None else now) if pressure else None,
             headroom_since=headroom_since)
+
+    @cached_property
+    def load(self) -> tuple[float, float]:
+        """(requests/s finished, requests in flight): the highest of this window's and those of the windows
+        read since the headroom began, within the scale-down window. A scale-in must fit all of them, as
+        Kubernetes' HPA scales in only to the highest recommendation of its window: a fleet at ease through
+        a peak (grown past it to drain a backlog) would otherwise shrink to the first window of a dip, which
+        its first seconds cannot tell from a step down (the fitted simulator's peak with 30-s dips lost
+        windows to it). A fleet whose headroom began as the load fell is judged on the windows since."""
+        obs, since = self.seen, self.s.headroom_since
+        rows = [(x[2], x[3]) for x in self.s.loads if since is not None and x[1] >= since]
+        rate = max([obs.request_rate] + [r for r, _ in rows])
+        return rate, max([obs.in_batch + obs.queued] + [b for _, b in rows])
 
     @property
     def window_start(self) -> float:
@@ -366,7 +381,8 @@ def _grown(n: int, done: float, wanted: float, most: int) -> int:
 
 
 def scale_in(t: Tick) -> ScaleDecision | None:
-    """Headroom held for the scale-down window, and the load over one pod fewer still fits (`_overfull`).
+    """Headroom held for the scale-down window, and the load over one pod fewer still fits (`_overfull`; the
+    load is `Tick.load`, the highest since the headroom began).
     Then as many pods go as the same test allows, at most `max_in_share` of the fleet: a fleet grown for a
     peak would otherwise spend a window per idle pod on its way back (28 -> 4 pods took 8 minutes in the
     fitted simulator), where Kubernetes' HPA goes to its recommendation in one step."""
@@ -381,7 +397,7 @@ def scale_in(t: Tick) -> ScaleDecision | None:
         return t.stay(f"headroom, but {why}")
     fewest = max(p.min_replicas, n - max(1, math.floor(n * p.max_in_share)))
     m = next(m for m in range(fewest, n) if _overfull(t, m) is None)
-    fits = f"{t.seen.request_rate / m:.2f} requests/s per pod over {m} pod{'s' if m > 1 else ''}" + (
+    fits = f"{t.load[0] / m:.2f} requests/s per pod over {m} pod{'s' if m > 1 else ''}" + (
         f" within {1 - p.margin:.0%} of the {s.capacity:.2f} one pod carries" if s.capacity is not None else "")
     return t.scale(SCALE_IN, m, f"headroom for {p.scale_down_window_s:.0f} s and {fits}")
 
@@ -395,14 +411,13 @@ def _overfull(t: Tick, m: int) -> str | None:
     the batch cap."""
     s, p, f = t.s, t.policy, t.fleet
     fit, pods = 1 - p.margin, f"{m} pod{'s' if m > 1 else ''}"
-    rate = t.seen.request_rate / m
+    rate, busy = t.load[0] / m, t.load[1] / m
     if s.capacity is not None and rate > fit * s.capacity:
         return (f"{rate:.2f} requests/s per pod over {pods} would pass {fit:.0%} of the {s.capacity:.2f} one "
                 f"pod carries within the SLO")
     if s.capacity is None and s.proven is not None and rate > s.proven:
         return (f"{rate:.2f} requests/s per pod over {pods} is more than the {s.proven:.2f} a pod has been seen "
                 f"to carry within the SLO")
-    busy = (t.seen.in_batch + t.seen.queued) / m
     if f.batch_cap and busy > fit * f.batch_cap:
         return f"{busy:.1f} requests in flight per pod over {pods} would pass {fit:.0%} of max_num_seqs {f.batch_cap}"
     return None

@@ -63,6 +63,9 @@ class ScaleState:
     capacity_knobs: object = None  # the knobs it was learned under
     goal: int | None = None  # what the last scale-out's evidence asked for, beyond its step limit
     proven: float | None = None  # the highest requests/s per pod seen in a window that met the SLO
+    # (read at, window start, requests/s finished, requests in flight) of the whole windows read within the
+    # scale-down window, oldest first: the load a scale-in must fit is the highest of those since headroom
+    loads: tuple[tuple[float, float, float, float], ...] = ()
     start_s: float | None = None  # how long the last scale-out's pods took to be ready (measured)
     last_queue: tuple[float, float] | None = None  # the previous (time, requests waiting), settling or not
     queue_before: tuple[float, float] | None = None  # ... and the one before it
