@@ -24,6 +24,7 @@ from iterserve.operator.tuning.scale import (
     ScalePolicy,
     ScaleState,
     Tick,
+    WindowLoad,
     decide_scale,
 )
 
@@ -160,14 +161,21 @@ ROWS = [
     ("headroom, but one pod fewer would pass the capacity learned at the last scale-out",
      HEADROOM_LONG, fleet(window(rate=9.0, running=2)), POLICY, (STAY, 2, "Steady", "would pass 80% of the 5.00")),
     ("headroom, but a window since it began finished more than one pod fewer carries: the highest load counts",
-     dataclasses.replace(HEADROOM_LONG, loads=((NOW - 30, NOW - 90, 9.0, 4.0),)), fleet(window(rate=2.0, running=2)),
-     POLICY, (STAY, 2, "Steady", "9.00 requests/s per pod over 1 pod would pass 80% of the 5.00")),
+     dataclasses.replace(HEADROOM_LONG, loads=(WindowLoad(NOW - 30, NOW - 90, 9.0, 4.0),)),
+     fleet(window(rate=2.0, running=2)), POLICY,
+     (STAY, 2, "Steady", "9.00 requests/s per pod over 1 pod would pass 80% of the 5.00")),
     ("... a window read before the headroom began does not count",
-     dataclasses.replace(HEADROOM_LONG, loads=((NOW - 30, NOW - 500, 9.0, 4.0),)), fleet(window(rate=2.0, running=2)),
-     POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
+     dataclasses.replace(HEADROOM_LONG, loads=(WindowLoad(NOW - 30, NOW - 500, 9.0, 4.0),)),
+     fleet(window(rate=2.0, running=2)), POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
     ("... nor one read longer ago than the scale-down window",
-     dataclasses.replace(HEADROOM_LONG, loads=((NOW - 301, NOW - 361, 9.0, 4.0),)), fleet(window(rate=2.0, running=2)),
-     POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
+     dataclasses.replace(HEADROOM_LONG, loads=(WindowLoad(NOW - 301, NOW - 361, 9.0, 4.0),)),
+     fleet(window(rate=2.0, running=2)), POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
+    ("... nor the one that first showed the headroom (the load fell inside it: its completions are the peak's)",
+     dataclasses.replace(HEADROOM_LONG, headroom_since=NOW - 300, loads=(WindowLoad(NOW - 280, NOW - 300, 9.0, 4.0),)),
+     fleet(window(rate=2.0, running=2)), POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
+    ("... but the one after it does",
+     dataclasses.replace(HEADROOM_LONG, headroom_since=NOW - 300, loads=(WindowLoad(NOW - 275, NOW - 295, 9.0, 4.0),)),
+     fleet(window(rate=2.0, running=2)), POLICY, (STAY, 2, "Steady", "9.00 requests/s per pod over 1 pod")),
     ("headroom, but one pod fewer would carry more per pod than has been seen within the SLO",
      dataclasses.replace(HEADROOM_LONG, capacity=None, proven=4.0), fleet(window(rate=4.4, running=2)), POLICY,
      (STAY, 2, "Steady", "4.40 requests/s per pod over 1 pod is more than the 4.00")),
@@ -292,9 +300,9 @@ def test_headroom_and_pressure_are_timed_from_their_first_window():
 
 
 def test_each_whole_window_is_kept_for_the_scale_down_window():
-    old = ((NOW - 400, NOW - 460, 9.0, 1.0), (NOW - 100, NOW - 160, 3.0, 1.0))
+    old = (WindowLoad(NOW - 400, NOW - 460, 9.0, 1.0), WindowLoad(NOW - 100, NOW - 160, 3.0, 1.0))
     t = Tick(ScaleState(loads=old), fleet(window(rate=2.0, running=2)), POLICY, NOW)
-    assert t.s.loads == (old[1], (NOW, NOW - 60, 2.0, t.seen.in_batch + t.seen.queued))
+    assert t.s.loads == (old[1], WindowLoad(NOW, NOW - 60, 2.0, t.seen.in_batch + t.seen.queued))
     short = dataclasses.replace(window(rate=2.0, running=2), start=NOW - 10)  # after a knob change: not kept
     assert Tick(ScaleState(loads=old), fleet(short), POLICY, NOW).s.loads == (old[1],)
 
@@ -320,7 +328,8 @@ def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_into_what_fits(
     policy = dataclasses.replace(POLICY, min_replicas=lo, max_replicas=lo + span)
     state = ScaleState(last_scale_time=NOW - since, last_direction=SCALE_OUT, capacity=capacity,
                        headroom_since=NOW - since, pressure_since=NOW - since, start_s=start_s,
-                       last_queue=(NOW - 30, queued_before), loads=((NOW - 20, NOW - since, earlier, 0.0),))
+                       last_queue=(NOW - 30, queued_before),
+                       loads=(WindowLoad(NOW - 20, NOW - since / 2, earlier, 0.0),))
     obs = window(ttft=ttft, n=samples, waiting=waiting, running=running, rate=rate, pods=max(1, min(ready, replicas)))
     d = decide_scale(state, fleet(obs, replicas=replicas, ready=ready, verdict=verdict, action=action), policy, NOW)
     assert policy.min_replicas <= d.replicas <= policy.max_replicas

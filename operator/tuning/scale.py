@@ -7,9 +7,10 @@ moves nothing, any confirmed breach) and the SLO is still breached, or when the 
 whatever the tuner says (arrivals outrun the fleet), or when the breach stands over a backlog the fleet is
 not working off (it finishes what arrives and no more, so the queue and the breach stay). It shrinks once
 the fleet has had headroom for the scale-down stabilization window (from the start of the first window that
-showed it) and the load of every window since the headroom began (within that window) spread over one pod
-fewer would still fit with a margin, by as many pods as that load leaves room for (at most half the fleet).
-`SCALE_RULES` is an ordered table like the tuner's `RULES`: the first rule that decides wins.
+showed it) and the load of every window since the headroom began (read within that window, the one that
+showed it aside) spread over one pod fewer would still fit with a margin, by as many pods as that load
+leaves room for (at most half the fleet). `SCALE_RULES` is an ordered table like the tuner's `RULES`: the
+first rule that decides wins.
 
 What one pod can carry is learned, not configured: at each scale-out on full batches the per-pod
 completion rate (the fleet saturated, or over its SLO at every knob setting) is remembered as `capacity`,
@@ -38,6 +39,7 @@ from iterserve.operator.tuning.scale_state import (  # noqa: F401  (re-exported:
     ScaleDecision,
     ScalePolicy,
     ScaleState,
+    WindowLoad,
 )
 
 
@@ -181,28 +183,32 @@ class Tick:
         if capacity is not None and met and self.per_pod_rate > capacity:
             capacity = self.per_pod_rate
         proven = max(st.proven or 0.0, self.per_pod_rate) if met else st.proven
-        kept = tuple(x for x in st.loads if x[0] > now - self.policy.scale_down_window_s)
-        loads = kept if self.partial else (*kept, (now, f.obs.start, f.obs.request_rate, f.obs.in_batch + f.obs.queued))
+        kept = tuple(x for x in st.loads if x.read_at > now - self.policy.scale_down_window_s)
+        if not self.partial:
+            kept = (*kept, WindowLoad(now, f.obs.start, f.obs.request_rate, f.obs.in_batch + f.obs.queued))
         headroom_since = None
         if self.headroom:
             headroom_since = self.window_start if st.headroom_since is None else st.headroom_since
         return dataclasses.replace(
-            st, capacity=capacity, proven=proven, loads=loads, capacity_knobs=f.knobs if capacity is not None else None,
+            st, capacity=capacity, proven=proven, loads=kept, capacity_knobs=f.knobs if capacity is not None else None,
             pressure_since=(st.pressure_since if st.pressure_since is not None else now) if pressure else None,
             headroom_since=headroom_since)
 
     @cached_property
     def load(self) -> tuple[float, float]:
         """(requests/s finished, requests in flight): the highest of this window's and those of the windows
-        read since the headroom began, within the scale-down window. A scale-in must fit all of them, as
-        Kubernetes' HPA scales in only to the highest recommendation of its window: a fleet at ease through
-        a peak (grown past it to drain a backlog) would otherwise shrink to the first window of a dip, which
-        its first seconds cannot tell from a step down (the fitted simulator's peak with 30-s dips lost
-        windows to it). A fleet whose headroom began as the load fell is judged on the windows since."""
+        read within the scale-down window that started after the first one that showed headroom. A scale-in
+        must fit all of them, as Kubernetes' HPA scales in only to the highest recommendation of its window:
+        a fleet at ease through a peak (grown past it to drain a backlog) would otherwise shrink to the first
+        window of a dip, which its first seconds cannot tell from a step down (the fitted simulator's peak
+        with 30-s dips lost windows to it). The window that first showed headroom is left out: where the
+        load fell inside it, its completions are mostly the load before (live, the window that straddled
+        the step down kept the second pod 19 s past the headroom's wait); where the load held, the windows
+        after it show the same. A fleet whose headroom began as the load fell is judged on the windows since."""
         obs, since = self.seen, self.s.headroom_since
-        rows = [(x[2], x[3]) for x in self.s.loads if since is not None and x[1] >= since]
-        rate = max([obs.request_rate] + [r for r, _ in rows])
-        return rate, max([obs.in_batch + obs.queued] + [b for _, b in rows])
+        rows = [x for x in self.s.loads if since is not None and x.start > since]
+        return (max([obs.request_rate] + [x.rate for x in rows]),
+                max([obs.in_batch + obs.queued] + [x.in_flight for x in rows]))
 
     @property
     def window_start(self) -> float:

@@ -1,9 +1,11 @@
 """The replica decision's data: the scaler's policy (`ScalePolicy`), what one tick sees (`Fleet`), what it
-carries from one tick to the next (`ScaleState`) and what it returns (`ScaleDecision`). scale.py decides."""
+carries from one tick to the next (`ScaleState`, with the `WindowLoad`s it looks back on) and what it
+returns (`ScaleDecision`). scale.py decides."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from iterserve.operator.tuning.decision import Condition
 from iterserve.operator.tuning.observation import Observation
@@ -50,6 +52,15 @@ class Fleet:
     conflicts: tuple[str, ...] = ()  # HorizontalPodAutoscalers that target the same service
 
 
+class WindowLoad(NamedTuple):
+    """What one window asked of the fleet, for the scale-in's look back."""
+
+    read_at: float  # it is looked back on for the scale-down window from here
+    start: float  # when it began: the one that began when the headroom did showed it, and is not counted
+    rate: float  # requests/s finished
+    in_flight: float  # requests running or waiting
+
+
 @dataclass(frozen=True)
 class ScaleState:
     last_scale_time: float | None = None
@@ -63,9 +74,9 @@ class ScaleState:
     capacity_knobs: object = None  # the knobs it was learned under
     goal: int | None = None  # what the last scale-out's evidence asked for, beyond its step limit
     proven: float | None = None  # the highest requests/s per pod seen in a window that met the SLO
-    # (read at, window start, requests/s finished, requests in flight) of the whole windows read within the
-    # scale-down window, oldest first: the load a scale-in must fit is the highest of those since headroom
-    loads: tuple[tuple[float, float, float, float], ...] = ()
+    # the whole windows read within the scale-down window, oldest first: the load a scale-in must fit is the
+    # highest of those since the headroom began
+    loads: tuple[WindowLoad, ...] = ()
     start_s: float | None = None  # how long the last scale-out's pods took to be ready (measured)
     last_queue: tuple[float, float] | None = None  # the previous (time, requests waiting), settling or not
     queue_before: tuple[float, float] | None = None  # ... and the one before it
