@@ -170,11 +170,11 @@ ROWS = [
     ("... nor one read longer ago than the scale-down window",
      dataclasses.replace(HEADROOM_LONG, loads=(WindowLoad(NOW - 301, NOW - 361, 9.0, 4.0),)),
      fleet(window(rate=2.0, running=2)), POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
-    ("... nor the one that first showed the headroom (the load fell inside it: its completions are the peak's)",
-     dataclasses.replace(HEADROOM_LONG, headroom_since=NOW - 300, loads=(WindowLoad(NOW - 280, NOW - 300, 9.0, 4.0),)),
+    ("... nor one that began inside the one that first showed the headroom (the load fell: the peak's completions)",
+     dataclasses.replace(HEADROOM_LONG, headroom_since=NOW - 300, loads=(WindowLoad(NOW - 185, NOW - 245, 9.0, 4.0),)),
      fleet(window(rate=2.0, running=2)), POLICY, (SCALE_IN, 1, "ScaledIn", "2.00 requests/s per pod over 1 pod")),
-    ("... but the one after it does",
-     dataclasses.replace(HEADROOM_LONG, headroom_since=NOW - 300, loads=(WindowLoad(NOW - 275, NOW - 295, 9.0, 4.0),)),
+    ("... but one that began as it ended does",
+     dataclasses.replace(HEADROOM_LONG, headroom_since=NOW - 300, loads=(WindowLoad(NOW - 180, NOW - 240, 9.0, 4.0),)),
      fleet(window(rate=2.0, running=2)), POLICY, (STAY, 2, "Steady", "9.00 requests/s per pod over 1 pod")),
     ("headroom, but one pod fewer would carry more per pod than has been seen within the SLO",
      dataclasses.replace(HEADROOM_LONG, capacity=None, proven=4.0), fleet(window(rate=4.4, running=2)), POLICY,
@@ -329,7 +329,7 @@ def test_replicas_stay_in_range_grow_at_most_a_step_and_shrink_into_what_fits(
     state = ScaleState(last_scale_time=NOW - since, last_direction=SCALE_OUT, capacity=capacity,
                        headroom_since=NOW - since, pressure_since=NOW - since, start_s=start_s,
                        last_queue=(NOW - 30, queued_before),
-                       loads=(WindowLoad(NOW - 20, NOW - since / 2, earlier, 0.0),))
+                       loads=(WindowLoad(NOW - 20, NOW - since + policy.window_s, earlier, 0.0),))
     obs = window(ttft=ttft, n=samples, waiting=waiting, running=running, rate=rate, pods=max(1, min(ready, replicas)))
     d = decide_scale(state, fleet(obs, replicas=replicas, ready=ready, verdict=verdict, action=action), policy, NOW)
     assert policy.min_replicas <= d.replicas <= policy.max_replicas

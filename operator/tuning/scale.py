@@ -7,8 +7,8 @@ moves nothing, any confirmed breach) and the SLO is still breached, or when the 
 whatever the tuner says (arrivals outrun the fleet), or when the breach stands over a backlog the fleet is
 not working off (it finishes what arrives and no more, so the queue and the breach stay). It shrinks once
 the fleet has had headroom for the scale-down stabilization window (from the start of the first window that
-showed it) and the load of every window since the headroom began (read within that window, the one that
-showed it aside) spread over one pod fewer would still fit with a margin, by as many pods as that load
+showed it) and the load of every window since the headroom began (read within that window, those that
+began inside the first aside) spread over one pod fewer would still fit with a margin, by as many pods as that load
 leaves room for (at most half the fleet). `SCALE_RULES` is an ordered table like the tuner's `RULES`: the
 first rule that decides wins.
 
@@ -197,16 +197,16 @@ class Tick:
     @cached_property
     def load(self) -> tuple[float, float]:
         """(requests/s finished, requests in flight): the highest of this window's and those of the windows
-        read within the scale-down window that started after the first one that showed headroom. A scale-in
-        must fit all of them, as Kubernetes' HPA scales in only to the highest recommendation of its window:
-        a fleet at ease through a peak (grown past it to drain a backlog) would otherwise shrink to the first
-        window of a dip, which its first seconds cannot tell from a step down (the fitted simulator's peak
-        with 30-s dips lost windows to it). The window that first showed headroom is left out: where the
-        load fell inside it, its completions are mostly the load before (live, the window that straddled
-        the step down kept the second pod 19 s past the headroom's wait); where the load held, the windows
-        after it show the same. A fleet whose headroom began as the load fell is judged on the windows since."""
+        read within the scale-down window that started once the first one that showed headroom was over. A
+        scale-in must fit all of them, as Kubernetes' HPA scales in only to the highest recommendation of its
+        window: a fleet at ease through a peak (grown past it to drain a backlog) would otherwise shrink to
+        the first window of a dip, which its first seconds cannot tell from a step down (the fitted
+        simulator's peak with 30-s dips lost windows to it). The windows that began inside the first one are
+        left out: where the load fell inside it, their completions are mostly the load before (live, windows
+        read every 5 s that straddled the step down kept the second pod 19-25 s past the headroom's wait);
+        where the load held, the windows after it show the same."""
         obs, since = self.seen, self.s.headroom_since
-        rows = [x for x in self.s.loads if since is not None and x.start > since]
+        rows = [x for x in self.s.loads if since is not None and x.start >= since + self.policy.window_s]
         return (max([obs.request_rate] + [x.rate for x in rows]),
                 max([obs.in_batch + obs.queued] + [x.in_flight for x in rows]))
 

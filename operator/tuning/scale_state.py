@@ -56,7 +56,7 @@ class WindowLoad(NamedTuple):
     """What one window asked of the fleet, for the scale-in's look back."""
 
     read_at: float  # it is looked back on for the scale-down window from here
-    start: float  # when it began: the one that began when the headroom did showed it, and is not counted
+    start: float  # when it began: those that began inside the one that first showed headroom are not counted
     rate: float  # requests/s finished
     in_flight: float  # requests running or waiting
 
