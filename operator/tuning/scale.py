@@ -8,9 +8,9 @@ whatever the tuner says (arrivals outrun the fleet), or when the breach stands o
 not working off (it finishes what arrives and no more, so the queue and the breach stay). It shrinks once
 the fleet has had headroom for the scale-down stabilization window (from the start of the first window that
 showed it) and the load of every window since the headroom began (read within that window, those that
-began inside the first aside) spread over one pod fewer would still fit with a margin, by as many pods as that load
-leaves room for (at most half the fleet). `SCALE_RULES` is an ordered table like the tuner's `RULES`: the
-first rule that decides wins.
+began inside the first aside) spread over one pod fewer would still fit with a margin, by as many pods as
+that load leaves room for (at most half the fleet). `SCALE_RULES` is an ordered table like the tuner's
+`RULES`: the first rule that decides wins.
 
 What one pod can carry is learned, not configured: at each scale-out on full batches the per-pod
 completion rate (the fleet saturated, or over its SLO at every knob setting) is remembered as `capacity`,
@@ -203,7 +203,7 @@ class Tick:
         the first window of a dip, which its first seconds cannot tell from a step down (the fitted
         simulator's peak with 30-s dips lost windows to it). The windows that began inside the first one are
         left out: where the load fell inside it, their completions are mostly the load before (live, windows
-        read every 5 s that straddled the step down kept the second pod 19-25 s past the headroom's wait);
+        read every 5 s that straddled the step down kept the second pod 19–25 s past the headroom's wait);
         where the load held, the windows after it show the same."""
         obs, since = self.seen, self.s.headroom_since
         rows = [x for x in self.s.loads if since is not None and x.start >= since + self.policy.window_s]
