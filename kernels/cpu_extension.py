@@ -1,9 +1,9 @@
 """Build-on-first-use for the C++ CPU kernels of csrc/: one `CppExtension` per source file.
 
 Each is JIT-built with `torch.utils.cpp_extension.load` (g++ and ninja, `-O3 -march=native`) on first
-use, under ~/.cache/iterserve/torch_extensions/<torch version>/<CPU tag>/<name>-<sources hash>; torch's
-file lock serializes concurrent builds from several processes, and later processes only load the cached
-library.
+use, under $XDG_CACHE_HOME/iterserve/torch_extensions/<torch version>/<CPU tag>/<name>-<sources hash>
+(XDG_CACHE_HOME defaults to ~/.cache); torch's file lock serializes concurrent builds from several
+processes, and later processes only load the cached library.
 When the build fails (no compiler, say), `available()` is False, the reason is logged once, and the
 caller's torch path serves. An environment variable set to `torch` forces that path without building
 anything: the A/B comparison against the kernel, and a kill switch. It is read on every call, so it can
@@ -87,6 +87,12 @@ def _import_library(name: str, path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def cache_root() -> Path:
+    """Where iterserve keeps what it builds: $XDG_CACHE_HOME/iterserve, as pip and torch hub read it, or
+    ~/.cache/iterserve."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "iterserve"
 
 
 def _cpu_tag() -> str:
@@ -177,8 +183,8 @@ class CppExtension:
         # extensions sharing a directory rebuild each other in turn. And one per version of the sources:
         # checkouts of different versions (worktrees, CI next to a developer) would otherwise rebuild
         # over each other, and a process waiting on the build lock would load the other's library.
-        return self.compile(Path.home() / ".cache" / "iterserve" / "torch_extensions" / torch.__version__
-                            / _cpu_tag() / f"{self.name}-{_sources_tag()}")
+        return self.compile(cache_root() / "torch_extensions" / torch.__version__ / _cpu_tag()
+                            / f"{self.name}-{_sources_tag()}")
 
     def available(self) -> bool:
         """Whether the kernel serves: not forced off by `env_var`=torch, and built/loaded.

@@ -3,7 +3,8 @@ runtime here, so each pod's `server` container runs as a local process on its ow
 
 For every pod (of one namespace, or all), `LocalKubelet`:
 - binds it to node `local-0` through the `pods/binding` subresource when nothing has;
-- builds the container's environment (literal values, ConfigMap and Secret references read through the
+- builds the container's environment (the host's cache as the image's, so the pods load the kernels
+  bootstrap built; literal values, ConfigMap and Secret references read through the
   API) and command line (`$(VAR)` expanded, `iterserve` -> the venv's binary, `--host` forced to a fresh
   127.0.0.N, `--port` kept, `--model` paths remapped, the test's extra args appended) and starts it;
 - writes the pod's status through the status subresource: podIP, phase, containerStatuses with the
@@ -80,7 +81,12 @@ class LocalKubelet:
         self.namespace = namespace
         self.extra_args = list(extra_args)
         self.model_paths = dict(model_paths or {})
-        self.env = dict(env or {})
+        # The image's environment, under the pod's own. The image carries the C++ kernels prebuilt
+        # (ITERSERVE_CPU_KERNELS_DIR); this venv stands in for it, and its kernels are the builds bootstrap
+        # left in the host's cache. The Deployment sets HOME=/tmp (the image's writable volume), which
+        # would send the first pod of a fresh machine to build them all anew (3 min on 2 cores).
+        self.env = {"XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"),
+                    **(env or {})}
         self.node_name = node_name
         self.log_dir = log_dir or cluster.workdir / "pods"
         self.max_restart_backoff = max_restart_backoff

@@ -1,4 +1,4 @@
-"""kernels/cpu_extension.py's build bookkeeping: stale build locks and per-checkout build directories."""
+"""kernels/cpu_extension.py's build bookkeeping: stale build locks, per-checkout build directories, the cache's root."""
 
 from __future__ import annotations
 
@@ -29,3 +29,11 @@ def test_the_build_directory_depends_on_where_the_sources_are(monkeypatch, tmp_p
     monkeypatch.setattr(cpu_extension, "CSRC", copy)
     assert cpu_extension._sources_tag() != here  # same sources, another checkout: its own build
     assert cpu_extension._sources_tag() == cpu_extension._sources_tag()
+
+
+def test_the_cache_is_under_xdg_cache_home_where_it_is_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cpu_extension.cache_root() == tmp_path / "home" / ".cache" / "iterserve"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cpu_extension.cache_root() == tmp_path / "cache" / "iterserve"

@@ -28,6 +28,7 @@ def manifests(namespace: str) -> str:
             {"name": "ITERSERVE_MAX_NUM_SEQS",
              "valueFrom": {"configMapKeyRef": {"name": "tiny-knobs", "key": "max-num-seqs"}}},
             {"name": "ITERSERVE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tiny-admin", "key": "token"}}},
+            {"name": "HOME", "value": "/tmp"},  # as the product's Deployment sets it
         ],
         "ports": [{"name": "http", "containerPort": 8000}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}},
@@ -77,6 +78,11 @@ def test_deployment_pod_runs_as_a_local_server(kube_cluster, kube_namespace, tin
 
         # A crashed server is restarted on the same IP and counted.
         first_pid = int(pod.status.container_statuses[0].container_id.removeprefix("local://"))
+        # The pod's HOME is its own; the cache of built kernels is the image's, which the host's stands in for.
+        with open(f"/proc/{first_pid}/environ") as f:
+            environ = dict(e.split("=", 1) for e in f.read().split("\0") if e)
+        assert environ["HOME"] == "/tmp"
+        assert environ["XDG_CACHE_HOME"] == os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
         os.kill(first_pid, signal.SIGKILL)
         pod = wait_until(lambda: ready_pod(core, kube_namespace, min_restarts=1), timeout=120,
                          what="the crashed server to be restarted and Ready")
