@@ -161,7 +161,7 @@ def tuner_holds_while_scaling(state: ScaleState, replicas: int, ready: int, poli
     under it, its window holds the fleet before the change, so it holds every move until a window holds
     only the new fleet (the scaler's own `settling`), after a scale-in too. The reason, or None."""
     if (why := scale_out_in_flight(state, replicas, ready, policy, now)) is not None:
-        return why
+        return str(why)
     last = state.last_scale_time
     if state.last_direction != SCALE_IN or last is None or now - last >= policy.settle_s:
         return None

@@ -22,7 +22,7 @@ from iterserve.operator.autoscaling import HPA_API, autoscaled_replicas, conflic
 from iterserve.operator.conditions import AUTOSCALING, set_condition
 from iterserve.operator.kube import Kube
 from iterserve.operator.spec import LLMService
-from iterserve.operator.tuning.fleet_change import scale_out_in_flight
+from iterserve.operator.tuning.fleet_change import ScaleOut, scale_out_in_flight
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.scale import SCALE_OUT, STAY, ScaleDecision, ScaleState, decide_scale
 from iterserve.operator.tuning.tuner import TuningRecord, rfc3339
@@ -67,7 +67,7 @@ class Autoscaler:
     said: tuple[str, str] | None = None
 
     def scale_out_in_flight(self, svc: LLMService, seen: Replicas, tuning: TuningPolicy,
-                            now: float | None = None) -> str | None:
+                            now: float | None = None) -> ScaleOut | None:
         """What this scaler's last scale-out waits for, told to the tuner before its tick; None: nothing."""
         return scale_out_in_flight(self.state, seen.desired, seen.ready, scale_policy(svc, tuning),
                                    time.time() if now is None else now)

@@ -45,7 +45,7 @@ from iterserve.operator.scaling_loop import Autoscaler, replicas_of
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import TUNING_OFF_MESSAGE
 from iterserve.operator.tuning.decide import HOLD
-from iterserve.operator.tuning.fleet_change import OutsideScale
+from iterserve.operator.tuning.fleet_change import OutsideScale, ScaleOut
 from iterserve.operator.tuning.observation import MetricsSource
 from iterserve.operator.tuning.observe import PodScraper
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
@@ -221,7 +221,7 @@ class TuningLoop:
             tuner.set_knobs(in_force)
         return tuner
 
-    def _outside_scale_out(self, svc: LLMService, policy: TuningPolicy) -> str | None:
+    def _outside_scale_out(self, svc: LLMService, policy: TuningPolicy) -> ScaleOut | None:
         """What a scale-out made outside the operator (an HPA or KEDA on the scale subresource, a person)
         waits for (fleet_change.OutsideScale): spec.replicas against the ready pods the last tick listed
         (no read of the Deployment more per tick; the start is seen to end a tick late)."""

@@ -1,7 +1,8 @@
 """While pods a scale-out added come up and their backlog drains, the tuner does not back max_num_seqs off
-for a breach: `scale_out_in_flight` on a table of scaler states, then `decide` with and without a
-scale-out in flight on the same windows (the back-off gives way to the next cure, or to holding;
-preemptions still back off); `OutsideScale` following a fleet sized outside the operator tick by tick."""
+for a breach, and while the backlog drains it moves no knob for TTFT: `scale_out_in_flight` on a table of
+scaler states, then `decide` with and without a scale-out in flight on the same windows (the back-off
+gives way to the next cure, or to holding; preemptions still back off; a TTFT breach during the drain
+holds, ITL's is still cured); `OutsideScale` following a fleet sized outside the operator tick by tick."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import dataclasses
 
 import pytest
 
-from iterserve.operator.tuning.decide import BACK_OFF_SEQS, HOLD, LOWER_CHUNK, TunerState, decide
-from iterserve.operator.tuning.fleet_change import OutsideScale, scale_out_in_flight
+from iterserve.operator.tuning.decide import BACK_OFF_SEQS, HOLD, LOWER_CHUNK, RAISE_CHUNK, TunerState, decide
+from iterserve.operator.tuning.fleet_change import OutsideScale, ScaleOut, scale_out_in_flight
 from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
+from tests.test_tuning_decide import ITL_OVER, START, TTFT_OVER_NO_QUEUE, TTFT_OVER_QUEUED, window
 from tests.test_tuning_decide import POLICY as TUNING
-from tests.test_tuning_decide import START, window
 
 POLICY = ScalePolicy(min_replicas=1, max_replicas=8, settle_s=60, pod_start_s=600)
 NOW = 10_000.0
@@ -50,15 +51,22 @@ ROWS = [
 @pytest.mark.parametrize("title, state, seen, words", ROWS, ids=[r[0] for r in ROWS])
 def test_scale_out_in_flight(title, state, seen, words):
     why = scale_out_in_flight(state, *seen, POLICY, NOW)
-    assert why is None if words is None else (why is not None and words in why), why
+    assert why is None if words is None else (why is not None and words in str(why)), why
+    assert why is None or why.draining == ("draining" in words)  # only the drain holds TTFT's cures
 
 
-IN_FLIGHT = "pods the autoscaler added are starting (1/2 ready)"
+IN_FLIGHT = ScaleOut("pods the autoscaler added are starting (1/2 ready)")
+DRAINING = ScaleOut("the 2 replicas the autoscaler grew to are draining the backlog (34 -> 6 waiting)", draining=True)
 
 
-def decide_at(obs, scale_out, knobs=START):
-    return decide(TunerState(knobs), dataclasses.replace(obs, start=NOW - TUNING.window_s, end=NOW), TUNING, NOW,
-                  scale_out)
+def decide_at(obs, scale_out, knobs=START, confirmed=False):
+    """`confirmed`: both p99s were over in earlier windows (a breach now is confirmed, however mild)."""
+    state = TunerState(knobs)
+    if confirmed:
+        before = NOW - 2 * TUNING.window_s
+        state = dataclasses.replace(state, num_ttft_breaches=3, ttft_breach_end=before, num_itl_breaches=3,
+                                    itl_breach_end=before)
+    return decide(state, dataclasses.replace(obs, start=NOW - TUNING.window_s, end=NOW), TUNING, NOW, scale_out)
 
 
 @pytest.mark.parametrize("name, obs, knobs, held_action", [
@@ -72,9 +80,9 @@ def test_no_back_off_while_a_scale_out_is_in_flight(name, obs, knobs, held_actio
     held = decide_at(obs, IN_FLIGHT, knobs)
     assert held.action == held_action and held.state.knobs.max_num_seqs == knobs.max_num_seqs, held.reason
     if held_action == LOWER_CHUNK:
-        assert "not backing max_num_seqs off" in held.reason and IN_FLIGHT in held.reason
+        assert "not backing max_num_seqs off" in held.reason and str(IN_FLIGHT) in held.reason
     if held_action == HOLD:
-        assert IN_FLIGHT in held.reason and held.tuned.status == "False" and held.state.last_change_time is None
+        assert str(IN_FLIGHT) in held.reason and held.tuned.status == "False" and held.state.last_change_time is None
 
 
 def test_other_cures_and_preemptions_are_not_held():
@@ -84,6 +92,33 @@ def test_other_cures_and_preemptions_are_not_held():
     assert preempted.action == BACK_OFF_SEQS and preempted.state.knobs.max_num_seqs < START.max_num_seqs
 
 
+@pytest.mark.parametrize("name, obs", [
+    ("TTFT over, requests waiting for places", TTFT_OVER_QUEUED),
+    ("TTFT over, nothing waiting for places", TTFT_OVER_NO_QUEUE),
+    ("TTFT severe", window(ttft=3000, itl=40)),
+])
+def test_a_ttft_breach_while_the_backlog_drains_moves_no_knob(name, obs):
+    # the same window cures TTFT with no scale-out, and while the pods start (the backlog still grows)
+    cured = decide_at(obs, None, confirmed=True)
+    assert cured.action != HOLD and cured.state.knobs != START
+    assert decide_at(obs, IN_FLIGHT, confirmed=True).action == cured.action
+    held = decide_at(obs, DRAINING, confirmed=True)
+    assert held.action == HOLD and held.state.knobs == START and held.state.last_change_time is None
+    assert str(DRAINING) in held.reason and "backlog" in held.reason
+    assert held.tuned.status == "False"  # the SLO is breached all the same, and said so
+
+
+def test_while_the_backlog_drains_itl_is_still_cured():
+    itl = decide_at(ITL_OVER, DRAINING, confirmed=True)
+    assert itl.action == decide_at(ITL_OVER, None, confirmed=True).action == LOWER_CHUNK
+    # both over, TTFT severe and the farther, a new queue: with no scale-out its TTFT is cured first (a larger
+    # chunk); during the drain only ITL's cure is left, a smaller chunk (and no back-off)
+    both = window(ttft=3000, itl=160)  # both severe (1.5x their SLO), acted on at once
+    assert decide_at(both, None).action == RAISE_CHUNK
+    drained = decide_at(both, DRAINING)
+    assert drained.action == LOWER_CHUNK and drained.state.knobs.max_num_seqs == START.max_num_seqs
+
+
 def follow(ticks: list[tuple[int, int, float | None]], window_s: float = 60.0) -> list[str | None]:
     """`OutsideScale` over ticks 5 s apart of (spec.replicas, pods ready, requests waiting after the tick):
     what each tick tells the tuner."""
@@ -91,7 +126,8 @@ def follow(ticks: list[tuple[int, int, float | None]], window_s: float = 60.0) -
     for i, (replicas, ready, queued) in enumerate(ticks):
         now = NOW + 5 * i
         outside = outside.see(replicas, ready, now)
-        said.append(outside.in_flight(ready, window_s, now))
+        why = outside.in_flight(ready, window_s, now)
+        said.append(None if why is None else str(why))
         if queued is not None:
             outside = outside.queue(queued, now)
     return said

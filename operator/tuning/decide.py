@@ -38,6 +38,7 @@ from iterserve.operator.tuning.decision import (  # noqa: F401  (re-exported: de
     stay,
 )
 from iterserve.operator.tuning.failures import mark_failed
+from iterserve.operator.tuning.fleet_change import ScaleOut
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import Reading, count_breach, read
@@ -49,7 +50,7 @@ class Window:
     window's bookkeeping (recent breaches, the rollback point) that every later decision carries on."""
 
     def __init__(self, state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float,
-                 scale_out: str | None = None):
+                 scale_out: ScaleOut | None = None):
         self.state, self.obs, self.policy, self.now = state, obs, policy, now
         self.scale_out = scale_out  # what a scale-out in flight waits for (fleet_change.py), or None
 
@@ -170,12 +171,17 @@ def cure_breach(w: Window) -> Decision | None:
     costs them nothing that matters, and a wrong one is judged in the next window). An unconfirmed breach
     moves nothing, so one noisy window cannot toggle a knob; `corrections.corrections` picks the cure for
     the p99 that is over. While pods a scale-out added come up (`scale_out`), that cure is not a back-off
-    of max_num_seqs (fleet_change.py)."""
+    of max_num_seqs, and while they drain the backlog gathered before them, TTFT's breach is that
+    backlog's and is not cured at all (fleet_change.py)."""
     s, r, policy, state = w.s, w.r, w.policy, w.state
     if r.met:
         return None
-    ttft_bad = r.ttft > 1 and (s.num_ttft_breaches >= policy.confirm_breaches or r.ttft >= policy.severe_ratio
-                               or decodes_cheap(r, policy))
+    backlog = r.ttft > 1 and w.scale_out is not None and w.scale_out.draining
+    ttft_bad = r.ttft > 1 and not backlog and (s.num_ttft_breaches >= policy.confirm_breaches
+                                               or r.ttft >= policy.severe_ratio or decodes_cheap(r, policy))
+    if backlog and r.itl <= 1:
+        return stay(s, w.now, f"p99 TTFT over, and {w.scale_out}: the backlog is the fleet's to drain, not the "
+                    f"knobs' to cure; {r.text}", False, breached(r, state.tuned))
     itl_bad = r.itl > 1 and (s.num_itl_breaches >= policy.confirm_breaches or r.itl >= policy.severe_ratio)
     if not (ttft_bad or itl_bad):
         over = [f"p99 {name} over in {n} separate recent window(s)" for name, ratio, n in
@@ -245,7 +251,7 @@ RULES: tuple[Rule, ...] = (
 
 
 def decide(state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float,
-           scale_out: str | None = None) -> Decision:
+           scale_out: ScaleOut | None = None) -> Decision:
     """`scale_out`: what a scale-out in flight waits for (`fleet_change.scale_out_in_flight`), or None."""
     w = Window(state, obs, policy, now, scale_out)
     for rule in RULES:

@@ -10,8 +10,12 @@ all are ready (the scaler's own `settling`), and after that while the waiting qu
 backlog gathered before the new pods came up, drained by a fleet that now carries more than arrives:
 another live run backed off on the first window after the settling, 40 requests still waiting), the
 tuner does not back max_num_seqs off for a breach (decide.py's `cure_breach`); preemptions still back it
-off. Both the operator (operator/tuning_loop.py) and the simulator (benchmarks/autoscaling.py) call this
-before the tuner's tick.
+off. While that backlog drains, a TTFT breach is the backlog's (requests queued before the new pods came
+up, which a fleet carrying more than arrives is already clearing) and moves no knob: live, a tuner that
+raised the chunk 64 -> 128 on p99 TTFT 1.33x its SLO, the queue falling 34 -> 6, undid the smaller chunk
+that had cured ITL, and the next window breached ITL (222 ms against 205); the round's other run, its
+backlog drained a window sooner, kept 64 and met both. Both the operator (operator/tuning_loop.py) and the
+simulator (benchmarks/autoscaling.py) call this before the tuner's tick.
 
 A fleet sized outside the operator (an HPA or KEDA on the scale subresource, a person) grows the same way
 and the tuner would back off the same way: live, the HPA's runs lost a window each to a back-off while
@@ -30,8 +34,20 @@ from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePoli
 AUTOSCALER, OUTSIDE = "the autoscaler", "outside the operator"  # who made the scale-out, for the reason
 
 
+@dataclass(frozen=True)
+class ScaleOut:
+    """A scale-out in flight, as the tuner is told of it: what it waits for (`why`, its str) and whether its
+    pods are up and draining the backlog gathered before them (the queue falling)."""
+
+    why: str
+    draining: bool = False
+
+    def __str__(self) -> str:
+        return self.why
+
+
 def scale_out_in_flight(state: ScaleState, replicas: int, ready: int, policy: ScalePolicy,
-                        now: float, who: str = AUTOSCALER) -> str | None:
+                        now: float, who: str = AUTOSCALER) -> ScaleOut | None:
     """What the last scale-out is waiting for, or None when there is none in flight. `replicas` and `ready`
     are the Deployment's now; `state` is the scaler's after its last tick (it learns that the pods are all
     ready at its next tick, which comes after the tuner's: `ready` says it first). `who` made it, for the
@@ -44,18 +60,18 @@ def scale_out_in_flight(state: ScaleState, replicas: int, ready: int, policy: Sc
     if state.starting and ready < replicas:
         if now - last >= policy.pod_start_s:
             return None  # pods that never start must not hold the tuner back (the scaler gives up on them too)
-        return f"{added} are starting ({ready}/{replicas} ready)"
+        return ScaleOut(f"{added} are starting ({ready}/{replicas} ready)")
     whole = now if state.starting else (state.whole_since or last)
     left = policy.settle_s - (now - max(last, whole))
     if left > 0:
-        return f"{grew} are settling ({left:.0f} s left)"
+        return ScaleOut(f"{grew} are settling ({left:.0f} s left)")
     # the scaler's last two readings (its settling keeps them too), up to its last tick
     a, b = state.queue_before, state.last_queue
     if a is None or b is None or a[0] <= last or now - last >= policy.pod_start_s:
         return None
     if not a[1] > b[1] >= max(1.0, 0.5 * replicas):
         return None  # the backlog is gone, or the queue grows again: an overload of the new fleet
-    return f"{grew} are draining the backlog ({a[1]:.0f} -> {b[1]:.0f} waiting)"
+    return ScaleOut(f"{grew} are draining the backlog ({a[1]:.0f} -> {b[1]:.0f} waiting)", draining=True)
 
 
 @dataclass(frozen=True)
@@ -82,7 +98,7 @@ class OutsideScale:
         return dataclasses.replace(self, state=dataclasses.replace(self.state, last_queue=(now, queued),
                                                                    queue_before=self.state.last_queue))
 
-    def in_flight(self, ready: int, window_s: float, now: float) -> str | None:
+    def in_flight(self, ready: int, window_s: float, now: float) -> ScaleOut | None:
         """`scale_out_in_flight` for the count last seen (`see` it this tick first): pods settle over the
         tuner's window `window_s`, and are not waited for past the scaler's default `pod_start_s`."""
         if self.replicas is None:

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 
 from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.decide import HOLD, ROLLBACK, Decision, TunerState, decide
+from iterserve.operator.tuning.fleet_change import ScaleOut
 from iterserve.operator.tuning.observation import MetricsSource, Observation
 from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
@@ -116,7 +117,7 @@ class Tuner:
                                          recent_knobs=(), previous_action=None, chunk_before_cheap_raise=None)
         self.synced.clear()
 
-    def tick(self, now: float | None = None, scale_out: str | None = None) -> TuningRecord:
+    def tick(self, now: float | None = None, scale_out: ScaleOut | None = None) -> TuningRecord:
         """`scale_out`: what a scale-out in flight waits for (`fleet_change.scale_out_in_flight`), or None."""
         now = self.clock() if now is None else now
         pods = list(self.list_pods())
