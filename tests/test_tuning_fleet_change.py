@@ -1,8 +1,8 @@
 """While pods a scale-out added come up and their backlog drains, the tuner does not back max_num_seqs off
-for a breach, and while the backlog drains it moves no knob for TTFT: `scale_out_in_flight` on a table of
-scaler states, then `decide` with and without a scale-out in flight on the same windows (the back-off
-gives way to the next cure, or to holding; preemptions still back off; a TTFT breach during the drain
-holds, ITL's is still cured); `OutsideScale` following a fleet sized outside the operator tick by tick."""
+for a breach, and while the backlog drains it does not raise the chunk either: `scale_out_in_flight` on a
+table of scaler states, then `decide` with and without a scale-out in flight on the same windows (the
+held move gives way to the next cure, or to holding; preemptions still back off; ITL's breach is still
+cured); `OutsideScale` following a fleet sized outside the operator tick by tick."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ import dataclasses
 
 import pytest
 
-from iterserve.operator.tuning.decide import BACK_OFF_SEQS, HOLD, LOWER_CHUNK, RAISE_CHUNK, TunerState, decide
+from iterserve.operator.tuning.decide import (
+    BACK_OFF_SEQS,
+    HOLD,
+    LOWER_CHUNK,
+    RAISE_CHUNK,
+    RAISE_SEQS,
+    TunerState,
+    decide,
+)
 from iterserve.operator.tuning.fleet_change import OutsideScale, ScaleOut, scale_out_in_flight
 from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
 from tests.test_tuning_decide import ITL_OVER, START, TTFT_OVER_NO_QUEUE, TTFT_OVER_QUEUED, window
@@ -92,28 +100,31 @@ def test_other_cures_and_preemptions_are_not_held():
     assert preempted.action == BACK_OFF_SEQS and preempted.state.knobs.max_num_seqs < START.max_num_seqs
 
 
-@pytest.mark.parametrize("name, obs", [
-    ("TTFT over, requests waiting for places", TTFT_OVER_QUEUED),
-    ("TTFT over, nothing waiting for places", TTFT_OVER_NO_QUEUE),
-    ("TTFT severe", window(ttft=3000, itl=40)),
+@pytest.mark.parametrize("name, obs, drained_action", [
+    ("TTFT over, requests waiting for places: more places still", TTFT_OVER_QUEUED, RAISE_SEQS),
+    ("TTFT over, nothing waiting for places: a larger chunk, held", TTFT_OVER_NO_QUEUE, HOLD),
+    ("TTFT severe, nothing waiting for places: a larger chunk, held", window(ttft=3000, itl=40), HOLD),
 ])
-def test_a_ttft_breach_while_the_backlog_drains_moves_no_knob(name, obs):
-    # the same window cures TTFT with no scale-out, and while the pods start (the backlog still grows)
+def test_while_the_backlog_drains_ttft_is_not_cured_by_a_larger_chunk(name, obs, drained_action):
+    # the same window's cure with no scale-out, and while the pods start (the backlog still grows)
     cured = decide_at(obs, None, confirmed=True)
-    assert cured.action != HOLD and cured.state.knobs != START
-    assert decide_at(obs, IN_FLIGHT, confirmed=True).action == cured.action
-    held = decide_at(obs, DRAINING, confirmed=True)
-    assert held.action == HOLD and held.state.knobs == START and held.state.last_change_time is None
-    assert str(DRAINING) in held.reason and "backlog" in held.reason
-    assert held.tuned.status == "False"  # the SLO is breached all the same, and said so
+    assert cured.action in (RAISE_SEQS, RAISE_CHUNK) and decide_at(obs, IN_FLIGHT, confirmed=True) == cured
+    drained = decide_at(obs, DRAINING, confirmed=True)
+    assert drained.action == drained_action, drained.reason
+    if drained_action == RAISE_SEQS:
+        assert drained.state.knobs == cured.state.knobs
+    else:
+        assert drained.state.knobs == START and drained.state.last_change_time is None
+        assert str(DRAINING) in drained.reason and "not raising the chunk" in drained.reason
+        assert drained.tuned.status == "False"  # the SLO is breached all the same, and said so
 
 
 def test_while_the_backlog_drains_itl_is_still_cured():
     itl = decide_at(ITL_OVER, DRAINING, confirmed=True)
     assert itl.action == decide_at(ITL_OVER, None, confirmed=True).action == LOWER_CHUNK
-    # both over, TTFT severe and the farther, a new queue: with no scale-out its TTFT is cured first (a larger
-    # chunk); during the drain only ITL's cure is left, a smaller chunk (and no back-off)
-    both = window(ttft=3000, itl=160)  # both severe (1.5x their SLO), acted on at once
+    # both severe, TTFT the farther, a new queue: with no scale-out its TTFT is cured first (a larger chunk);
+    # during the drain ITL's cure is next, a smaller chunk (and no back-off)
+    both = window(ttft=3000, itl=160)
     assert decide_at(both, None).action == RAISE_CHUNK
     drained = decide_at(both, DRAINING)
     assert drained.action == LOWER_CHUNK and drained.state.knobs.max_num_seqs == START.max_num_seqs

@@ -171,17 +171,13 @@ def cure_breach(w: Window) -> Decision | None:
     costs them nothing that matters, and a wrong one is judged in the next window). An unconfirmed breach
     moves nothing, so one noisy window cannot toggle a knob; `corrections.corrections` picks the cure for
     the p99 that is over. While pods a scale-out added come up (`scale_out`), that cure is not a back-off
-    of max_num_seqs, and while they drain the backlog gathered before them, TTFT's breach is that
-    backlog's and is not cured at all (fleet_change.py)."""
+    of max_num_seqs, and while they drain the backlog gathered before them, not a larger chunk either
+    (fleet_change.py)."""
     s, r, policy, state = w.s, w.r, w.policy, w.state
     if r.met:
         return None
-    backlog = r.ttft > 1 and w.scale_out is not None and w.scale_out.draining
-    ttft_bad = r.ttft > 1 and not backlog and (s.num_ttft_breaches >= policy.confirm_breaches
-                                               or r.ttft >= policy.severe_ratio or decodes_cheap(r, policy))
-    if backlog and r.itl <= 1:
-        return stay(s, w.now, f"p99 TTFT over, and {w.scale_out}: the backlog is the fleet's to drain, not the "
-                    f"knobs' to cure; {r.text}", False, breached(r, state.tuned))
+    ttft_bad = r.ttft > 1 and (s.num_ttft_breaches >= policy.confirm_breaches or r.ttft >= policy.severe_ratio
+                               or decodes_cheap(r, policy))
     itl_bad = r.itl > 1 and (s.num_itl_breaches >= policy.confirm_breaches or r.itl >= policy.severe_ratio)
     if not (ttft_bad or itl_bad):
         over = [f"p99 {name} over in {n} separate recent window(s)" for name, ratio, n in
@@ -192,14 +188,20 @@ def cure_breach(w: Window) -> Decision | None:
         return stay(s, w.now, f"{', '.join(over)}, {policy.confirm_breaches} needed to act; {r.text}", False, tuned)
     moves = corrections(state.knobs, w.seen, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
     why = "SLO breached"
-    if w.scale_out is not None and any(action == BACK_OFF_SEQS for action, _ in moves):
-        # fewer places would cut what the pods carry as the fleet grows to carry more (fleet_change.py)
-        if moves[0][0] == BACK_OFF_SEQS:
-            why = f"SLO breached, and {w.scale_out}: not backing max_num_seqs off"
-        moves = [m for m in moves if m[0] != BACK_OFF_SEQS]
-        if not [m for m in moves if m[1] != state.knobs]:
-            return stay(s, w.now, f"SLO breached, but {w.scale_out}: max_num_seqs is not backed off while "
-                        f"they come up; {r.text}", False, breached(r, state.tuned))
+    if w.scale_out is not None:
+        # fewer places would cut what the pods carry as the fleet grows to carry more; and while it drains
+        # the backlog, TTFT's breach is that backlog's, not worth ITL's price of a larger chunk
+        held = {BACK_OFF_SEQS: "backing max_num_seqs off"}
+        if w.scale_out.draining:
+            held[RAISE_CHUNK] = "raising the chunk"
+        if moves and moves[0][0] in held:
+            why = f"SLO breached, and {w.scale_out}: not {held[moves[0][0]]}"
+        kept = [m for m in moves if m[0] not in held]
+        if not [m for m in kept if m[1] != state.knobs] and [m for m in moves if m[1] != state.knobs]:
+            names = " or ".join(dict.fromkeys(held[a] for a, k in moves if a in held and k != state.knobs))
+            return stay(s, w.now, f"SLO breached, but {w.scale_out}: not {names} while they do; {r.text}", False,
+                        breached(r, state.tuned))
+        moves = kept
     return correct(s, policy, w.now, r, moves, why)
 
 

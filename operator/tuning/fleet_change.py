@@ -10,11 +10,12 @@ all are ready (the scaler's own `settling`), and after that while the waiting qu
 backlog gathered before the new pods came up, drained by a fleet that now carries more than arrives:
 another live run backed off on the first window after the settling, 40 requests still waiting), the
 tuner does not back max_num_seqs off for a breach (decide.py's `cure_breach`); preemptions still back it
-off. While that backlog drains, a TTFT breach is the backlog's (requests queued before the new pods came
-up, which a fleet carrying more than arrives is already clearing) and moves no knob: live, a tuner that
-raised the chunk 64 -> 128 on p99 TTFT 1.33x its SLO, the queue falling 34 -> 6, undid the smaller chunk
-that had cured ITL, and the next window breached ITL (222 ms against 205); the round's other run, its
-backlog drained a window sooner, kept 64 and met both. Both the operator (operator/tuning_loop.py) and the
+off. While that backlog drains, a TTFT breach is mostly the backlog's (requests queued before the new
+pods came up, which a fleet carrying more than arrives is already clearing), and a larger chunk, which
+buys TTFT with ITL, is not a cure for it either: live, a tuner that raised the chunk 64 -> 128 on p99
+TTFT 1.33x its SLO, the queue falling 34 -> 6, undid the smaller chunk that had cured ITL, and the next
+window breached ITL (222 ms against 205); the round's other run, its backlog gone a window sooner, kept 64
+and met both. More places where the cap binds add throughput and still are. Both the operator (operator/tuning_loop.py) and the
 simulator (benchmarks/autoscaling.py) call this before the tuner's tick.
 
 A fleet sized outside the operator (an HPA or KEDA on the scale subresource, a person) grows the same way
