@@ -15,8 +15,10 @@ pods came up, which a fleet carrying more than arrives is already clearing), and
 buys TTFT with ITL, is not a cure for it either: live, a tuner that raised the chunk 64 -> 128 on p99
 TTFT 1.33x its SLO, the queue falling 34 -> 6, undid the smaller chunk that had cured ITL, and the next
 window breached ITL (222 ms against 205); the round's other run, its backlog gone a window sooner, kept 64
-and met both. More places where the cap binds add throughput and still are. Both the operator (operator/tuning_loop.py) and the
-simulator (benchmarks/autoscaling.py) call this before the tuner's tick.
+and met both. More places where the cap binds add throughput and still are.
+
+Both the operator (operator/tuning_loop.py) and the simulator (benchmarks/autoscaling.py) call this before
+the tuner's tick.
 
 A fleet sized outside the operator (an HPA or KEDA on the scale subresource, a person) grows the same way
 and the tuner would back off the same way: live, the HPA's runs lost a window each to a back-off while
