@@ -29,8 +29,9 @@ windows, within SLO when the p99 TTFT of the requests that arrived in them and t
 ended in them meet the SLOs (benchmarks/tuning_load.py); "after convergence" leaves out the windows that
 overlap the `--settle-s` after each step of the load; replica-seconds are the pods that existed (starting,
 serving or draining) integrated over the load. `--json` keeps each run's windows, pods, Events and the
-Tuned and Autoscaling conditions as the operator wrote them, each change with its second (`conditions`:
-why the replicas and knobs were what they were, tick by tick). Runs alternate their order from round to
+Tuned and Autoscaling conditions as the operator wrote them and the tuner's `lastDecision` (its action
+and reason, kind `Decision`), each change with its second (`conditions`: why the replicas and knobs were
+what they were, and what the tuner held, tick by tick). Runs alternate their order from round to
 round. A benchmark:
 it prints and asserts nothing. `tests/test_autoscaling_live.py` runs a small one on the tiny model.
 
@@ -187,9 +188,10 @@ class HpaPlayer(threading.Thread):
                 self.changes.append((time.perf_counter(), want))
 
 
-class ConditionLog(threading.Thread):
-    """The service's Tuned and Autoscaling conditions as the operator writes them, each change with its time
-    (read every second): why the replicas and the knobs were what they were, tick by tick."""
+class StatusLog(threading.Thread):
+    """The service's Tuned and Autoscaling conditions as the operator writes them, and the tuner's last
+    decision (`Decision`: its action and reason, which say what a tick held and why), each change with its
+    time (read every second): why the replicas and the knobs were what they were, tick by tick."""
 
     def __init__(self, custom, name: str):
         super().__init__(name=f"conditions-{name}", daemon=True)
@@ -204,11 +206,15 @@ class ConditionLog(threading.Thread):
                 body = self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, self.name)
             except kubernetes.client.ApiException:
                 continue
-            for c in (body.get("status") or {}).get("conditions") or []:
-                text = f"{c.get('reason')}: {c.get('message')}"
-                if c.get("type") in (TUNED, AUTOSCALING) and last.get(c["type"]) != text:
-                    last[c["type"]] = text
-                    self.changes.append((time.perf_counter(), c["type"], text))
+            status = body.get("status") or {}
+            seen = [(c.get("type"), f"{c.get('reason')}: {c.get('message')}") for c in status.get("conditions") or []
+                    if c.get("type") in (TUNED, AUTOSCALING)]
+            if decision := status.get("lastDecision"):
+                seen.append(("Decision", f"{decision.get('action')}: {decision.get('reason')}"))
+            for kind, text in seen:
+                if last.get(kind) != text:
+                    last[kind] = text
+                    self.changes.append((time.perf_counter(), kind, text))
 
 
 class Live:
@@ -334,7 +340,7 @@ def run_one(live: Live, setup: Setup, controller: str, name: str) -> dict:
         player = HpaPlayer(live.custom, name, service, float(controller[4:]), setup)
     if controller == "router":
         router = Router(name, service)
-    conditions = ConditionLog(live.custom, name)
+    conditions = StatusLog(live.custom, name)
     conditions.start()
     clock: dict = {}
 
