@@ -60,7 +60,7 @@ ROWS = [
 def test_scale_out_in_flight(title, state, seen, words):
     why = scale_out_in_flight(state, *seen, POLICY, NOW)
     assert why is None if words is None else (why is not None and words in str(why)), why
-    assert why is None or why.draining == ("draining" in words)  # only the drain holds TTFT's cures
+    assert why is None or why.draining == ("draining" in words)  # only the drain holds a larger chunk
 
 
 IN_FLIGHT = ScaleOut("pods the autoscaler added are starting (1/2 ready)")

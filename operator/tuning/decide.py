@@ -196,12 +196,12 @@ def cure_breach(w: Window) -> Decision | None:
             held[RAISE_CHUNK] = "raising the chunk"
         if moves and moves[0][0] in held:
             why = f"SLO breached, and {w.scale_out}: not {held[moves[0][0]]}"
-        kept = [m for m in moves if m[0] not in held]
-        if not [m for m in kept if m[1] != state.knobs] and [m for m in moves if m[1] != state.knobs]:
-            names = " or ".join(dict.fromkeys(held[a] for a, k in moves if a in held and k != state.knobs))
+        changes = [action for action, knobs in moves if knobs != state.knobs]
+        if changes and all(action in held for action in changes):
+            names = " or ".join(dict.fromkeys(held[action] for action in changes))
             return stay(s, w.now, f"SLO breached, but {w.scale_out}: not {names} while they do; {r.text}", False,
                         breached(r, state.tuned))
-        moves = kept
+        moves = [m for m in moves if m[0] not in held]
     return correct(s, policy, w.now, r, moves, why)
 
 
