@@ -110,10 +110,17 @@ class EngineClient:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, while_core_loads: Callable[[Tokenizer | None], None] | None = None) -> None:
         """Start the engine core and wait until it is ready. A bad model or flag raises what building
-        the engine raises (InvalidRequestError, FileNotFoundError, ValueError), naming it."""
-        ready, tokenizer = self._start_thread_core() if self.in_process else self._start_process_core()
+        the engine raises (InvalidRequestError, FileNotFoundError, ValueError), naming it.
+        `while_core_loads(tokenizer)`: the caller's own start-up work, run on this thread while the core
+        process loads the weights (in-process: once the core is built), so the two overlap."""
+        if self.in_process:
+            ready, tokenizer = self._start_thread_core()
+            if while_core_loads is not None:
+                while_core_loads(tokenizer)
+        else:
+            ready, tokenizer = self._start_process_core(while_core_loads)
         self.tokenizer = tokenizer
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.kv_cache_report = ready.kv_cache_report
@@ -137,9 +144,11 @@ class EngineClient:
         self._core_thread.start()
         return ready_message(built, loop.snapshot()), built.tokenizer
 
-    def _start_process_core(self) -> tuple[Ready, Tokenizer | None]:
-        from iterserve.server.engine.core_proc import raise_startup_failure
-        from iterserve.server.engine.engine_factory import load_config_tokenizer
+    def _start_process_core(self, while_core_loads) -> tuple[Ready, Tokenizer | None]:
+        # neither imports torch: the core's process starts first (torch, the weights), and what this
+        # process still imports (the grammar engine, which brings torch) overlaps it in while_core_loads
+        from iterserve.server.engine.messages import raise_startup_failure
+        from iterserve.server.model.tokenizer import load_config_tokenizer
 
         self._tmp = tempfile.mkdtemp(prefix="iterserve-core-")
         to_core, from_core = f"ipc://{self._tmp}/to-core", f"ipc://{self._tmp}/from-core"
@@ -149,6 +158,8 @@ class EngineClient:
             "--config", msgspec.json.encode(self.config).decode(), "--log-level", self.log_level])
         try:
             tokenizer = load_config_tokenizer(self.config)  # while the core loads the weights
+            if while_core_loads is not None:
+                while_core_loads(tokenizer)
             while True:
                 for message in self._channel.receive(0.5):
                     if isinstance(message, Ready):

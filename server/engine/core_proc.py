@@ -29,12 +29,12 @@ from iterserve.server.engine.messages import (
     ResetPrefixCache,
     Shutdown,
     Snapshot,
-    StartupFailed,
     StepFailed,
     StepReport,
     StepStats,
     ToCore,
     UpdateKnobs,
+    startup_failure,
 )
 from iterserve.server.engine.request import Request
 from iterserve.server.errors import InvalidRequestError
@@ -133,19 +133,6 @@ def ready_message(built, snapshot: Snapshot) -> Ready:
                  num_blocks=core.block_manager.num_blocks, block_size=core.block_manager.block_size,
                  kv_cache_report=built.kv_cache_report, pid=os.getpid(), snapshot=snapshot,
                  cpu_kernels=built.cpu_kernels)
-
-
-def startup_failure(exc: Exception) -> StartupFailed:
-    if isinstance(exc, InvalidRequestError):
-        return StartupFailed("invalid", exc.param, exc.message)
-    return StartupFailed("not_found" if isinstance(exc, FileNotFoundError) else "value", None, str(exc))
-
-
-def raise_startup_failure(failure: StartupFailed):
-    """The exception building the engine in-process would have raised (the frontend's side)."""
-    if failure.kind == "invalid":
-        raise InvalidRequestError(failure.param or "config", failure.message)
-    raise (FileNotFoundError if failure.kind == "not_found" else ValueError)(failure.message)
 
 
 def main(argv: list[str] | None = None) -> int:

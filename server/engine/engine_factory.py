@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -111,7 +110,9 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
     backend = resolve_backend_name(config.attention_backend, device)  # refuse before the slow load
 
     loaded = load_model(config.model, config.load_format)
-    tokenizer = _load_tokenizer(config, loaded.path)
+    from iterserve.server.model.tokenizer import load_config_tokenizer  # with the first tokenizer
+
+    tokenizer = load_config_tokenizer(config, loaded.path)
     mc = loaded.config
     backend = _backend_for_model(backend, config.attention_backend, mc)
     context_len = mc.context_len
@@ -155,23 +156,6 @@ def build_engine_core(config: EngineConfig) -> BuiltCore:
     gc.freeze()
     atexit.register(gc.unfreeze)  # at exit everything is collectable again: extensions check for leaks
     return BuiltCore(core, tokenizer, mc.vocab_size, report, runner.cpu_kernels)
-
-
-def load_config_tokenizer(config: EngineConfig):
-    """The tokenizer of the model `config` names, without loading its weights (the server's side)."""
-    from iterserve.server.model.loader import resolve_model_path
-
-    return _load_tokenizer(config, resolve_model_path(config.model)[1])
-
-
-def _load_tokenizer(config: EngineConfig, resolved_path: str):
-    """The model's tokenizer; a dummy model directory without tokenizer.json has none (requests then
-    come as token ids), and then the tokenizer libraries are not even imported."""
-    if config.load_format == "dummy" and not os.path.isfile(os.path.join(resolved_path, "tokenizer.json")):
-        return None
-    from iterserve.server.model.tokenizer import load_tokenizer
-
-    return load_tokenizer(config.model)
 
 
 def _eos_ids(mc, tokenizer) -> set[int]:

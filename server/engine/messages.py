@@ -13,6 +13,7 @@ import msgspec
 
 from iterserve.server.engine.outputs import CoreOutput
 from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.errors import InvalidRequestError
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
@@ -114,3 +115,17 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
 
 ToCore = AddRequest | Abort | UpdateKnobs | ResetPrefixCache | Shutdown
 FromCore = Ready | StartupFailed | StepReport | KnobsReply | PrefixCacheReset | StepFailed
+
+
+def startup_failure(exc: Exception) -> StartupFailed:
+    """What the core sends when building the engine raised a user's error (the core's side)."""
+    if isinstance(exc, InvalidRequestError):
+        return StartupFailed("invalid", exc.param, exc.message)
+    return StartupFailed("not_found" if isinstance(exc, FileNotFoundError) else "value", None, str(exc))
+
+
+def raise_startup_failure(failure: StartupFailed):
+    """The exception building the engine in-process would have raised (the frontend's side)."""
+    if failure.kind == "invalid":
+        raise InvalidRequestError(failure.param or "config", failure.message)
+    raise (FileNotFoundError if failure.kind == "not_found" else ValueError)(failure.message)

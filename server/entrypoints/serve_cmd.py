@@ -92,12 +92,17 @@ def build_server_state(engine, model_name: str, *, max_queue: int | None = None,
                         limits=limits or ServerLimits(), scheduling_policy=scheduling_policy,
                         tool_call_parser=tool_call_parser)
     state.metrics = Metrics(engine, model_name)
-    if engine.tokenizer is not None:
-        # the schema checks of response_format need xgrammar, whose import takes seconds (it brings
-        # transformers): now, on this thread (not in the first request that asks, nor on a second thread,
-        # where an import racing the main thread's can hang)
-        importlib.import_module("xgrammar")
+    import_grammar_engine(engine.tokenizer)  # a no-op where `serve` did it while the core loaded
     return state
+
+
+def import_grammar_engine(tokenizer) -> None:
+    """The schema checks of response_format need xgrammar, whose import takes seconds of CPU (it brings
+    torch and transformers): at start-up, on the main thread (not in the first request that asks, nor on a
+    second thread, where an import racing the main thread's can hang). A model without a tokenizer takes
+    token ids and no response_format."""
+    if tokenizer is not None:
+        importlib.import_module("xgrammar")
 
 
 def make_uvicorn_server(app, state, *, host: str, port: int, drain_timeout: float, log_level: str = "info"):
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         from iterserve.server.engine.core_client import EngineClient  # heavy imports: only once args are good
 
         engine = EngineClient(config, log_level=args.log_level)
-        engine.start()
+        engine.start(while_core_loads=import_grammar_engine)
     except (InvalidRequestError, FileNotFoundError, ValueError) as e:
         print(f"iterserve serve: error: {e}", file=sys.stderr)
         return 2

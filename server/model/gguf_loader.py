@@ -11,13 +11,16 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-import torch
 
+from iterserve.server.model.gguf_file import GGUFFile
 from iterserve.server.model.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch loads with the weights: the server's tokenizer reads GGUF metadata without it
+    import torch
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -31,7 +34,7 @@ _LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 _GEMMA_HIDDEN_PER_HEAD_SCALE = {"gemma2": 46, "gemma3": 62}
 
 
-def open_gguf(path: str) -> gguf.GGUFReader:
+def open_gguf(path: str) -> GGUFFile:
     try:
         stat = os.stat(path)
         return _cached_reader(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
@@ -40,22 +43,15 @@ def open_gguf(path: str) -> gguf.GGUFReader:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    """GGUFReader parses every metadata array element by element (~3 s for a 49k-token vocabulary);
-    the model and its tokenizer are loaded from the same file, so parse it once. The key includes
-    mtime and size so a rewritten file is read afresh."""
-    return gguf.GGUFReader(path)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    """The model and its tokenizer are loaded from the same file (in-process), so read it once. The key
+    includes mtime and size so a rewritten file is read afresh."""
+    return GGUFFile(path)
 
 
-def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A metadata value as a Python object (str, int, float, bool or list), or `default`."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    try:
-        return field.contents()
-    except Exception as exc:
-        raise ValueError(f"model: GGUF metadata {key} could not be read: {exc}") from exc
+    return reader.metadata.get(key, default)
 
 
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -109,6 +105,8 @@ def _dequantize(tensor: Any, path: str) -> torch.Tensor:
     # Unquantized tensors come back as read-only views of the memory-mapped file.
     if not array.flags.writeable or array.dtype != np.float32:
         array = array.astype(np.float32)
+    import torch
+
     return torch.from_numpy(array)
 
 
@@ -121,7 +119,7 @@ def _unpermute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weights.shape).contiguous()
 
 
-def _config(reader: gguf.GGUFReader, tensors: dict[str, Any], path: str) -> tuple[str, ModelConfig]:
+def _config(reader: GGUFFile, tensors: dict[str, Any], path: str) -> tuple[str, ModelConfig]:
     arch = metadata(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
@@ -187,7 +185,7 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, Any], path: str) -> tupl
     )
 
 
-def _gemma_layer_types(reader: gguf.GGUFReader, arch: str, layers: int) -> tuple[str, ...] | None:
+def _gemma_layer_types(reader: GGUFFile, arch: str, layers: int) -> tuple[str, ...] | None:
     """Local/global layers as llama.cpp runs them: Gemma 2 alternates from a local first layer; Gemma 3
     has `sliding_window_pattern` (one flag per layer, or a period), five local then one global if absent."""
     if arch not in _GEMMA:
@@ -201,7 +199,7 @@ def _gemma_layer_types(reader: gguf.GGUFReader, arch: str, layers: int) -> tuple
     return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any], head_dim: int) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any], head_dim: int) -> dict | None:
     if _ROPE_FREQS in tensors:
         return _llama3_rope_scaling(_dequantize(tensors[_ROPE_FREQS], "rope_freqs"), reader, arch, head_dim)
     kind = metadata(reader, f"{arch}.rope.scaling.type", "none")
@@ -217,7 +215,7 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any], h
     return scaling
 
 
-def _llama3_rope_scaling(freqs: torch.Tensor, reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict:
+def _llama3_rope_scaling(freqs: torch.Tensor, reader: GGUFFile, arch: str, head_dim: int) -> dict:
     """Recover transformers' llama3 rope parameters from llama.cpp's divisors. The file keeps only the
     divisors, so assume the parameters every Llama 3.x release uses (only the factor varies) and check
     that they reproduce the divisors exactly, refusing the file otherwise."""
@@ -229,6 +227,8 @@ def _llama3_rope_scaling(freqs: torch.Tensor, reader: gguf.GGUFReader, arch: str
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
+    import torch
+
     if not torch.allclose(freqs, llama3_rope_divisors(scaling, theta, head_dim), rtol=1e-4):
         raise ValueError("model: GGUF tensor rope_freqs does not match Llama-3 rope scaling; not supported")
     return scaling
@@ -249,4 +249,6 @@ def llama3_rope_divisors(scaling: dict, theta: float, head_dim: int) -> torch.Te
         else:
             smooth = (original / wavelen - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
+    import torch
+
     return torch.tensor(divisors, dtype=torch.float32)

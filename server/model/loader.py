@@ -11,11 +11,12 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from iterserve.server.model.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch loads with the weights: the server finds the model's path without it
+    import torch
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -121,6 +122,7 @@ def _read_hf_config(path: str) -> ModelConfig:
 
 
 def _load_hf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import torch
     from safetensors import safe_open
 
     config = _read_hf_config(path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
@@ -22,6 +22,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from iterserve.server.model.gguf_loader import metadata, open_gguf
 from iterserve.server.model.gguf_spm_vocab import sentencepiece_backend
 from iterserve.server.model.loader import resolve_model_path
+
+if TYPE_CHECKING:
+    from iterserve.server.config import EngineConfig
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), grouped the way it groups `tokenizer.ggml.pre`.
 _LLAMA3_SPLIT = (
@@ -119,6 +122,17 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         return self._stream.step(self._backend, ids) or ""
+
+
+def load_config_tokenizer(config: EngineConfig, resolved_path: str | None = None) -> Tokenizer | None:
+    """The tokenizer of the model `config` names (`resolved_path`: where it was found, when known), without
+    its weights or torch (the server's side loads it while the core loads the weights). A dummy model
+    directory without tokenizer.json has none: requests then come as token ids."""
+    if resolved_path is None:
+        resolved_path = resolve_model_path(config.model)[1]
+    if config.load_format == "dummy" and not os.path.isfile(os.path.join(resolved_path, "tokenizer.json")):
+        return None
+    return load_tokenizer(config.model)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer | None:

@@ -8,7 +8,7 @@ On CUDA with Triton, decode-only steps replay CUDA graphs (server/runner/cuda_gr
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
@@ -28,6 +28,23 @@ if TYPE_CHECKING:  # CUDA graphs are imported only where they run
     from iterserve.server.runner.cuda_graphs import StaticDecodeRunner
 
 logger = logging.getLogger("iterserve.runner")
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def materialize(model: ModuleT, device: torch.device) -> ModuleT:
+    """`model.to_empty(device=device)` for a model built on the meta device: every parameter and buffer
+    replaced by an uninitialized tensor of its shape and dtype. to_empty's first call in a process costs
+    ~0.3 s of CPU (its per-tensor empty_like goes through torch's Python references), a share of a new
+    pod's start on a busy node."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+    return model
 
 
 class ModelRunner:
@@ -47,7 +64,7 @@ class ModelRunner:
         # fp32 copy is ever made on the device; weights are copied (and rounded) in after.
         with torch.device("meta"):
             model = build_model(model_config, self.backend.attention_fn, max_model_len, self.backend.layer_ops)
-        model = model.to(dtype).to_empty(device=device)
+        model = materialize(model.to(dtype), device)
         for rope in (m for m in model.modules() if isinstance(m, RotaryEmbedding)):
             rope.build_cache()  # cos/sin stay fp32 (the Triton rotary reads them so)
         if weights is None:
