@@ -16,6 +16,7 @@ from iterserve.operator.tuning.decide import (
     LOWER_CHUNK,
     RAISE_CHUNK,
     RAISE_SEQS,
+    ROLLBACK,
     TunerState,
     decide,
 )
@@ -98,6 +99,22 @@ def test_other_cures_and_preemptions_are_not_held():
     assert decide_at(ttft, IN_FLIGHT).action == decide_at(ttft, None).action != BACK_OFF_SEQS
     preempted = decide_at(window(waiting=3, preempt=2.0), IN_FLIGHT)
     assert preempted.action == BACK_OFF_SEQS and preempted.state.knobs.max_num_seqs < START.max_num_seqs
+
+
+def test_a_raise_of_max_num_seqs_is_not_rolled_back_while_a_scale_out_starts():
+    """The tuner's raise and the autoscaler's scale-out in one tick: the next window shows the new pod's start
+    (p99 TTFT worse, no more throughput), and going back to fewer places there is a back-off (a live test's
+    two pods then sat at max_num_seqs 1 over their SLO). Without a scale-out it is rolled back as before."""
+    raised = decide_at(window(ttft=3000, itl=40, waiting=3), None)
+    assert raised.action == RAISE_SEQS and raised.state.pending is not None
+    later = NOW + TUNING.window_s
+    worse = dataclasses.replace(window(ttft=4000, itl=40, waiting=4), start=NOW, end=later)
+    assert decide(raised.state, worse, TUNING, later, None).action == ROLLBACK
+    held = decide(raised.state, worse, TUNING, later, IN_FLIGHT)
+    assert held.action == HOLD and str(IN_FLIGHT) in held.reason, held.reason
+    assert held.state.knobs == raised.state.knobs and held.state.pending == raised.state.pending
+    preempted = dataclasses.replace(window(ttft=4000, itl=40, waiting=4, preempt=2.0), start=NOW, end=later)
+    assert decide(raised.state, preempted, TUNING, later, IN_FLIGHT).action == ROLLBACK  # the KV cannot wait
 
 
 @pytest.mark.parametrize("name, obs, drained_action", [

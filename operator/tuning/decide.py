@@ -133,6 +133,13 @@ def judge_last_change(w: Window) -> Decision | None:
     worse = judge(p, w.r, w.seen, w.policy)
     if worse is None:
         return None
+    if w.scale_out is not None and w.r.trouble is None and p.before.max_num_seqs < w.state.knobs.max_num_seqs:
+        # going back to fewer places is a back-off, which waits while a scale-out's pods start and drain the
+        # backlog (cure_breach): the windows they start in show their start, not what the change did
+        return stay(dataclasses.replace(w.s, pending=p), w.now,
+                    f"the change to {w.state.knobs.describe()} looks worse ({worse}), but "
+                    f"{w.scale_out}: not going back to fewer places while they do", w.r.met,
+                    breached(w.r, w.state.tuned))
     # the setting gone back to is cleared (a back-off marked it as a ceiling: the back-off was wrong)
     failed = tuple(f for f in w.s.failed if f.knobs != p.before)
     s = dataclasses.replace(w.s, failed=mark_failed(failed, w.state.knobs, w.now, w.policy, p.action, w.r.mix))
