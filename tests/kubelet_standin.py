@@ -8,7 +8,8 @@ For every pod (of one namespace, or all), `LocalKubelet`:
   API) and command line (`$(VAR)` expanded, `iterserve` -> the venv's binary, `--host` forced to a fresh
   127.0.0.N, `--port` kept, `--model` paths remapped, the test's extra args appended) and starts it;
 - writes the pod's status through the status subresource: podIP, phase, containerStatuses with the
-  restart count, and the Ready condition, True only while the readiness endpoint answers 200;
+  restart count, and the Ready condition from the readiness probe, with the probe's period, timeout and
+  failure threshold once the pod is Ready (before that it probes every 0.2 s);
 - restarts a process that exits (restartPolicy Always), with a growing back-off, counting restarts;
 - when the pod is deleted (deletionTimestamp set), runs the container's preStop exec hook as a local
   command when `prestop` is set (the product's is `sleep 5`: the time a Service takes to drop the pod), then
@@ -233,8 +234,13 @@ class _PodRunner(threading.Thread):
         self.uid = pod["metadata"]["uid"]
         self.container = main_container(pod)
         self.probe_path, self.port = readiness_target(self.container)
-        self.failure_threshold = (self.container.get("readinessProbe") or {}).get("failureThreshold", 3)
+        probe = self.container.get("readinessProbe") or {}
+        # the kubelet's defaults where the spec leaves them out
+        self.failure_threshold = probe.get("failureThreshold", 3)
+        self.probe_period_s = probe.get("periodSeconds", 10)
+        self.probe_timeout_s = probe.get("timeoutSeconds", 1)
         self._probe_failures = 0
+        self._last_probe = 0.0
         self._bound = False
         self.host: str | None = None
         self.process: DaemonProcess | None = None
@@ -298,18 +304,32 @@ class _PodRunner(threading.Thread):
         self._write_status()
 
     def _probe(self, http) -> bool:
-        """Ready while the probe answers 200; not ready once it failed failureThreshold times in a row
-        (as a kubelet does, so one slow answer on a busy machine does not flap the pod)."""
+        """Ready while the probe answers 200; not ready once it failed failureThreshold times in a row,
+        each a probe that did not answer within its timeoutSeconds, periodSeconds apart, as a kubelet
+        does. A pod of a busy machine does not drop out of its Service over one slow second: probing a
+        Ready pod every half second with a 1-s timeout flapped new pods under a load's peak, and their
+        share of the requests went to the pods left. Until the first 200 it probes every round (0.2 s),
+        sooner than a kubelet's period: tests need not wait out periods, and a pod counts as Ready
+        at most 0.2 s after its server is."""
         if self.process is None:
             self._probe_failures = 0
             return False
+        now = time.monotonic()
+        if self.state.ready and now - self._last_probe < self.probe_period_s:
+            return True
+        self._last_probe = now
         try:
-            if http.get(f"http://{self.host}:{self.port}{self.probe_path}").status_code == 200:
+            answer = http.get(f"http://{self.host}:{self.port}{self.probe_path}", timeout=self.probe_timeout_s)
+            if answer.status_code == 200:
                 self._probe_failures = 0
                 return True
-        except httpx.HTTPError:
-            pass
+            why = f"answered {answer.status_code}"
+        except httpx.HTTPError as e:
+            why = f"{type(e).__name__} after {time.monotonic() - now:.1f} s"
         self._probe_failures += 1
+        if self.state.ready:  # a Ready pod's failures are worth a line: they take it out of its Service
+            print(f"kubelet stand-in: pod {self.namespace}/{self.name}: readiness probe failed ({why}), "
+                  f"{self._probe_failures} of {self.failure_threshold}", file=sys.stderr)
         return self.state.ready and self._probe_failures < self.failure_threshold
 
     def _start_process(self) -> None:

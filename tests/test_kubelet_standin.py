@@ -112,3 +112,57 @@ def test_prestop_exec_hook_runs_before_the_kill_within_the_grace_period(tmp_path
     # nothing to run: no hook, an httpGet hook
     assert run_prestop({}, grace=10) == 0.0
     assert run_prestop({"lifecycle": {"preStop": {"httpGet": {"path": "/", "port": 80}}}}, grace=10) == 0.0
+
+
+def test_readiness_follows_the_probes_period_timeout_and_failure_threshold():
+    """A Ready pod leaves its Service only after failureThreshold probes failed, periodSeconds apart, each
+    not answered 200 within timeoutSeconds: a slow answer within the timeout keeps it Ready."""
+    import http.server
+    import threading
+    import time
+    import types
+
+    from tests.kubelet_standin import _PodRunner
+
+    answer = {"delay": 0.0, "status": 200}
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            time.sleep(answer["delay"])
+            self.send_response(answer["status"])
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+           "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": 8000}],
+                                    "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"},
+                                                       "periodSeconds": 2, "timeoutSeconds": 2,
+                                                       "failureThreshold": 2}}]}}
+    runner = _PodRunner(types.SimpleNamespace(pod_states={}), pod)
+    runner.host, runner.port, runner.process = "127.0.0.1", server.server_address[1], object()
+    try:
+        with httpx.Client(trust_env=False, timeout=1.0) as http_client:  # as the pod's thread makes it
+            def probe() -> bool:
+                runner.state.set_ready(runner._probe(http_client))
+                return runner.state.ready
+
+            assert probe()
+            answer["delay"] = 1.3  # slower than the client's own timeout, within the probe's
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                assert probe()
+                time.sleep(0.2)
+            answer["delay"], answer["status"] = 0.0, 503
+            assert probe()  # between two periods the last answer holds
+            time.sleep(2.05)
+            assert probe()  # one failure of two
+            time.sleep(2.05)
+            assert not probe()
+            answer["status"] = 200
+            assert probe()  # a pod not Ready is probed every round
+    finally:
+        server.shutdown()
