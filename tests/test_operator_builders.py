@@ -164,6 +164,10 @@ def test_probes_drain_and_hardening():
     c = container({"drainTimeoutSeconds": 45})
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # a scale-out's pod is Ready within a second of its server (the kubelet waits on this probe), and a
+    # model may take 10 minutes to load
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] == 1 and startup["periodSeconds"] * startup["failureThreshold"] == 600
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
                           {"name": "admin", "containerPort": 8001, "protocol": "TCP"}]
     assert flag(c["args"], "--admin-port") == "8001"  # the admin API only there (the NetworkPolicy's rule)

@@ -137,8 +137,11 @@ def _container(svc: LLMService) -> dict:
         "env": _env(svc),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"}],
-        # loading a model can take minutes: liveness starts counting only once /health answered
-        "startupProbe": http_probe("/health", 5, 120),
+        # loading a model can take minutes: liveness starts counting only once /health answered. Probed
+        # every second (the same 10 minutes at most): the kubelet holds readiness back until this probe
+        # passes, so its period is added to every scale-out's start (2.5 s on average at 5 s, where the
+        # bundled model's pod starts in 5)
+        "startupProbe": http_probe("/health", 1, 600),
         "livenessProbe": http_probe("/health", 10, 3),
         "readinessProbe": http_probe("/ready", 5, 2),
         "volumeMounts": mounts,
