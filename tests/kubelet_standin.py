@@ -306,11 +306,10 @@ class _PodRunner(threading.Thread):
     def _probe(self, http) -> bool:
         """Ready while the probe answers 200; not ready once it failed failureThreshold times in a row,
         each a probe that did not answer within its timeoutSeconds, periodSeconds apart, as a kubelet
-        does. A pod of a busy machine does not drop out of its Service over one slow second: probing a
-        Ready pod every half second with a 1-s timeout flapped new pods under a load's peak, and their
-        share of the requests went to the pods left. Until the first 200 it probes every round (0.2 s),
-        sooner than a kubelet's period: tests need not wait out periods, and a pod counts as Ready
-        at most 0.2 s after its server is."""
+        does: a pod whose server answers slowly on a busy machine stays in its Service as long as it would
+        under a kubelet, no shorter (a 1-s timeout every half second would take it out after two slow
+        seconds). Until the first 200 it probes every round (0.2 s), sooner than a kubelet's period:
+        tests need not wait out periods, and a pod counts as Ready at most 0.2 s after its server is."""
         if self.process is None:
             self._probe_failures = 0
             return False
