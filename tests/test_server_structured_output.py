@@ -1,16 +1,20 @@
 """`response_format` through the server and the official `openai` client: json_schema and json_object give
 JSON that parses and validates (the tiny random model could not write it without the grammar), streamed
-or not; a bad schema is a 400 naming `response_format.json_schema.schema`, before the engine sees it."""
+or not; a bad schema is a 400 naming `response_format.json_schema.schema` (checked in the engine core's process,
+which queues nothing of the request), streamed or not, before any byte of a stream."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.server_support import InProcessServer, with_special_eos
+from iterserve.server.engine.structured_output import check_schema
+from iterserve.server.errors import InvalidRequestError
+from tests.server_support import InProcessServer, metric_value, wait_idle, with_special_eos
 
 MODEL = "test-model"
 WEATHER = {"type": "object",
@@ -98,3 +102,29 @@ def test_bad_response_format_is_a_400_naming_the_field(client, server, fmt, para
     err = e.value.body
     assert e.value.status_code == 400 and err["param"] == param and words in err["message"], err
     assert server.engine.snapshot()["num_waiting"] == 0  # nothing reached the engine
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bad_schema_is_a_400_before_any_stream_byte(server, route, stream):
+    """The core checks the schema and queues none of the n choices; the answer is the 400 the check in this
+    process gives, word for word, and a stream never starts. The next request runs as usual."""
+    bad = {"type": "string", "pattern": "(a"}
+    with pytest.raises(InvalidRequestError) as expected:
+        check_schema(json.dumps(bad))
+    body = {"model": MODEL, "max_tokens": 5, "n": 2, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}},
+            **({"messages": MESSAGES} if "chat" in route else {"prompt": "weather:"})}
+    before = metric_value(httpx.get(server.url + "/metrics").text, "vllm:request_params_n_count")
+    with httpx.stream("POST", server.url + route, json=body, timeout=30) as r:
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+        err = json.loads(r.read())["error"]
+    assert err == {"message": str(expected.value), "type": "invalid_request_error",
+                   "param": "response_format.json_schema.schema", "code": "invalid_value"}
+    assert server.engine.num_in_flight == 0 and server.engine.num_prompt_tokens_pending == 0
+    metrics = wait_idle(server.url)  # nothing waits, runs or holds KV blocks
+    assert metric_value(metrics, "vllm:request_params_n_count") == before  # not counted as a request
+    body["response_format"]["json_schema"]["schema"] = WEATHER
+    body["max_tokens"] = 300
+    r = httpx.post(server.url + route, json=body, timeout=120)
+    assert r.status_code == 200 and len(r.text) > 0

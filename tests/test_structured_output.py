@@ -18,6 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from iterserve.server.engine.channels import QueueChannel
+from iterserve.server.engine.core_proc import EngineCoreLoop
+from iterserve.server.engine.messages import AddChecked, AddReply, AddRequest, SchemaCheck
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.engine.structured_output import StructuredOutput
 from iterserve.server.errors import InvalidRequestError
@@ -204,17 +207,46 @@ def test_a_request_still_compiling_can_be_aborted(engine):
     assert not engine.has_unfinished_requests() and engine.core.grammar.num_live == 0
 
 
-@pytest.mark.parametrize("schema, words", [
+BAD_SCHEMAS = [
     ({"type": "nothing"}, "Unsupported type"),
     ({"type": "string", "pattern": "(unclosed"}, "parenthesis"),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
     ({"$ref": "#/$defs/missing"}, "missing"),
-])
-def test_a_bad_schema_names_the_field(schema, words):
+]
+
+
+@pytest.mark.parametrize("schema, words", BAD_SCHEMAS)
+def test_a_bad_schema_names_the_field(engine, schema, words):
+    """Offline, the engine's own check refuses it when the request is made, before anything is queued."""
+    params = SamplingParams(structured_output=grammar(schema))  # only its shape is checked here
     with pytest.raises(InvalidRequestError) as e:
-        SamplingParams(structured_output=grammar(schema))
+        engine.add_request(prompt_token_ids=[1, 2], sampling_params=params)
     assert e.value.param == "response_format.json_schema.schema" and words in e.value.message
     assert "/project/" not in e.value.message  # the native source location is stripped
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("schema, words", BAD_SCHEMAS[:2])
+def test_the_core_checks_the_schemas_of_the_requests_it_is_handed(engine, schema, words):
+    """The server's AddChecked: every schema is checked in the core's loop, and the requests are added all
+    or none, with the reply sent before any step runs them."""
+    client_end, core_end = QueueChannel.pair()
+    loop = EngineCoreLoop(engine.core, core_end)
+    good = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    params = SamplingParams(max_tokens=20, structured_output=grammar(good))
+    adds = [AddRequest(f"checked-{words}-{i}", [40, 41], params, 0, 0.0) for i in range(2)]
+    loop._handle(AddChecked(7, [SchemaCheck("tools[0].function.parameters", json.dumps(good)),
+                                SchemaCheck("tools[1].function.parameters", json.dumps(schema))], adds))
+    (reply,) = client_end.receive(1)
+    assert reply.call_id == 7 and reply.error_param == "tools[1].function.parameters"
+    assert reply.error_message.startswith("this JSON schema is not supported: ") and words in reply.error_message
+    assert not engine.has_unfinished_requests()  # neither request was added
+    loop._handle(AddChecked(8, [SchemaCheck("response_format.json_schema.schema", json.dumps(good))], adds))
+    assert client_end.receive(1) == [AddReply(8)]
+    assert sorted(engine.core.unfinished_request_ids()) == [a.request_id for a in adds]
+    finished = [o for _ in range(60) if engine.has_unfinished_requests() for o in engine.core.step()
+                if o.finish_reason is not None]
+    assert sorted((o.request_id, o.finish_reason) for o in finished) == [(a.request_id, "stop") for a in adds]
 
 
 def test_structured_output_needs_a_tokenizer(tiny_llama):

@@ -144,7 +144,7 @@ async def _run(state: ServerState, request: Request, chat: bool):
         return Response(status_code=499)  # gone before its body was in: nothing was started
     job = await prepare_in_pool(state, body, request.headers.get("content-type"), chat)
     try:
-        queues = start(state, job)
+        queues = await start(state, job)
     except EngineStoppedError as e:
         raise APIError(503, str(e), code="engine_stopped") from None
     if job.stream:

@@ -2,11 +2,14 @@
 
 One HTTP request becomes len(prompts) x n engine requests ("choices"), choice index
 `prompt_index * n + i` as in OpenAI's API. Every choice is validated before any is queued, so a
-refused request leaves nothing behind in the engine. Parsing, chat templating, tokenization and
-validation (`prepare`) run in a thread pool, never on the event loop: a large request must not hold up
-/health or anyone else's stream. Admission counts sequences (choices), so `max_queue` bounds the engine's
-waiting queue whatever the shape of the requests. Outputs of all choices are merged into one stream
-(`output_stream`); whoever stops reading it (a client that went away) aborts every choice still running.
+refused request leaves nothing behind in the engine; its JSON schemas (`response_format`, forced tool
+calls) are checked by the engine core, whose process alone has the grammar engine, as it takes all the
+choices or none (`EngineClient.open_streams`): a bad one is still a 400, sent before any response byte.
+Parsing, chat templating, tokenization and validation (`prepare`) run in a thread pool, never on the
+event loop: a large request must not hold up /health or anyone else's stream. Admission counts sequences
+(choices), so `max_queue` bounds the engine's waiting queue whatever the shape of the requests. Outputs
+of all choices are merged into one stream (`output_stream`); whoever stops reading it (a client that went
+away) aborts every choice still running.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from iterserve.server.api.tool_calls import ToolPlan, plan_tools, template_messa
 from iterserve.server.engine.core_client import EngineClient
 from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
-from iterserve.server.engine.structured_output import StructuredOutput
+from iterserve.server.engine.structured_output import SCHEMA_PARAM, StructuredOutput
 from iterserve.server.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # prometheus_client only where metrics are on
@@ -87,6 +90,8 @@ class Job:
     continuous_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolPlan | None = None  # chat with tools: how the output becomes tool calls (tool_stream)
+    # (param, JSON schema) for the engine core to check before it queues the choices
+    schema_checks: list[tuple[str, str]] = field(default_factory=list)
 
 
 def check_admission(state: ServerState, job: Job) -> None:
@@ -219,7 +224,13 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
                        param=prompt_param, code="invalid_value")
     job_id = f"{prefix}-{uuid.uuid4().hex}"
     logit_bias = _logit_bias(req, engine.vocab_size)
-    structured = tools.structured if tools is not None and tools.structured else _structured_output(state, req)
+    structured: StructuredOutput | None
+    if tools is not None and tools.structured:
+        structured, schema_checks = tools.structured, tools.schema_checks
+    else:
+        structured = _structured_output(state, req)
+        schema = structured.json_schema if structured is not None else None
+        schema_checks = [] if schema is None else [(SCHEMA_PARAM, schema)]
     choices = []
     for p_index, ids in enumerate(prompts):
         wanted = max_tokens if max_tokens is not None else (default_max_tokens or max_len - len(ids))
@@ -242,7 +253,7 @@ def _make_job(state: ServerState, req, prefix: str, prompt_param: str, prompts: 
     opts = req.stream_options
     return Job(job_id, choices, [len(p) for p in prompts], req.priority, req.stream,
                include_usage=bool(opts and opts.include_usage),
-               continuous_usage=bool(opts and opts.continuous_usage_stats), tools=tools)
+               continuous_usage=bool(opts and opts.continuous_usage_stats), tools=tools, schema_checks=schema_checks)
 
 
 def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None,
@@ -277,23 +288,19 @@ def _sampling_params(req, max_tokens: int, i: int, top_logprobs: int | None,
 
 
 def _structured_output(state: ServerState, req) -> StructuredOutput | None:
-    """`response_format` -> what the engine enforces; the schema is checked here, before the engine sees it
-    (a check well under a millisecond; the core compiles it against the vocabulary)."""
+    """`response_format` -> what the engine enforces (its schema is checked in the core, as it is queued)."""
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
     if state.engine.tokenizer is None:
         raise APIError(400, "response_format: structured output needs the model's tokenizer; this model has none",
                        param="response_format", code="invalid_value")
-    try:
-        if fmt.type == "json_object":
-            return StructuredOutput(json_object=True)
-        schema = fmt.json_schema.schema_
-        if schema is None:
-            schema = {}  # OpenAI's default: any JSON value
-        return StructuredOutput(json_schema=json.dumps(schema))
-    except InvalidRequestError as e:
-        raise from_invalid_request(e) from None
+    if fmt.type == "json_object":
+        return StructuredOutput(json_object=True)
+    schema = fmt.json_schema.schema_
+    if schema is None:
+        schema = {}  # OpenAI's default: any JSON value
+    return StructuredOutput(json_schema=json.dumps(schema))
 
 
 def _logit_bias(req, vocab_size: int) -> dict[int, float]:
@@ -307,29 +314,18 @@ def _logit_bias(req, vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def start(state: ServerState, job: Job) -> list[asyncio.Queue]:
-    """Queue every choice; if one cannot be queued, the others are aborted."""
+async def start(state: ServerState, job: Job) -> list[asyncio.Queue]:
+    """Queue every choice, or none: a choice refused, or a schema the engine core cannot take, is a 400."""
     check_admission(state, job)
-    queues = []
     try:
-        for c in job.choices:
-            queues.append(state.engine.open_stream(c.request_id, None, c.params,
-                                                   prompt_token_ids=c.prompt_token_ids,
-                                                   priority=job.priority))
+        queues = await state.engine.open_streams(
+            [(c.request_id, c.prompt_token_ids, c.params) for c in job.choices], priority=job.priority,
+            schema_checks=job.schema_checks)
     except InvalidRequestError as e:
-        _abort(state, job, len(queues))
         raise from_invalid_request(e) from None
-    except BaseException:
-        _abort(state, job, len(queues))
-        raise
     if state.metrics is not None:
         state.metrics.observe_request(job)
     return queues
-
-
-def _abort(state: ServerState, job: Job, count: int) -> None:
-    for c in job.choices[:count]:
-        state.engine.abort(c.request_id)
 
 
 def job_outputs(state: ServerState, job: Job, queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from iterserve.server.api.errors import APIError
 from iterserve.server.api.tool_parsers import Parser, detect_parser, get_parser
 from iterserve.server.engine.structured_output import StructuredOutput
-from iterserve.server.errors import InvalidRequestError
 
 # OpenAI: "omitting parameters defines a function with an empty parameter list"
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -43,6 +42,9 @@ class ToolPlan:
     parser: Parser | None = None  # the family's (None: unknown): auto reads calls with it, all modes its ids
     function: str | None = None  # named: the one function called
     structured: StructuredOutput | None = None  # required / named: the grammar forcing the calls
+    # required / named: (param, JSON schema) of each tool's parameters and of the grammar, in that order, for
+    # the engine core to check (a schema it cannot take is a 400 naming the first such param)
+    schema_checks: list[tuple[str, str]] = field(default_factory=list)
     parallel: bool = True  # auto: False keeps only the first call a model wrote (the grammar bounds required)
 
 
@@ -76,7 +78,9 @@ def plan_tools(req, chat_template: str | None, parser_setting: str = "auto") -> 
         raise APIError(400, "tool_choice: a forced tool call cannot be combined with a `response_format`; "
                        "the tool's parameters already constrain the output", param="tool_choice",
                        code="invalid_value")
-    schemas = [_parameters(t.function.parameters, i) for i, t in enumerate(tools)]
+    schemas = [NO_PARAMETERS if t.function.parameters is None else t.function.parameters for t in tools]
+    # each tool's schema on its own, so a bad one is named by its index
+    checks = [(f"tools[{i}].function.parameters", json.dumps(schema)) for i, schema in enumerate(schemas)]
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False}
@@ -84,26 +88,19 @@ def plan_tools(req, chat_template: str | None, parser_setting: str = "auto") -> 
         array = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if not req.parallel_tool_calls:
             array["maxItems"] = 1
-        return ToolPlan("required", parser=parser, structured=_grammar(array, "tools"))
+        return _forced("required", parser, None, array, checks)
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"tool_choice.function.name: {name!r} is not among the tools "
                        f"({', '.join(names)})", param="tool_choice.function.name", code="invalid_value")
-    return ToolPlan("named", parser=parser, function=name, structured=_grammar(schemas[names.index(name)], "tools"))
+    return _forced("named", parser, name, schemas[names.index(name)], checks)
 
 
-def _parameters(schema: dict | None, index: int) -> dict:
-    param = f"tools[{index}].function.parameters"
-    schema = NO_PARAMETERS if schema is None else schema
-    _grammar(schema, param)  # each tool's schema on its own, so a bad one is named by its index
-    return schema
-
-
-def _grammar(schema: dict, param: str) -> StructuredOutput:
-    try:
-        return StructuredOutput(json_schema=json.dumps(schema))
-    except InvalidRequestError as e:
-        raise APIError(400, f"{param}: {e.message}", param=param, code="invalid_value") from None
+def _forced(mode: str, parser: Parser | None, function: str | None, schema: dict,
+            checks: list[tuple[str, str]]) -> ToolPlan:
+    text = json.dumps(schema)
+    return ToolPlan(mode, parser=parser, function=function, structured=StructuredOutput(json_schema=text),
+                    schema_checks=[*checks, ("tools", text)])
 
 
 def template_messages(messages) -> list[dict]:

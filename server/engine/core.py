@@ -27,6 +27,7 @@ from iterserve.server.engine.knobs import LiveKnobs
 from iterserve.server.engine.outputs import CoreOutput
 from iterserve.server.engine.request import Request, RequestStatus
 from iterserve.server.engine.scheduler import Scheduler, SchedulerOutput
+from iterserve.server.engine.structured_output import check_schema
 from iterserve.server.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the engine does not import the runner: the runner is handed in
@@ -100,6 +101,14 @@ class EngineCore:
                 raise InvalidRequestError("structured_output", "this engine has no tokenizer to build grammars")
             self.grammar.add(req.request_id, spec)
         self.scheduler.add_request(req)
+
+    def check_schema(self, schema: str, param: str) -> None:
+        """Raise InvalidRequestError naming `param` unless the JSON schema makes a grammar: the server's
+        requests are checked here, in the core's process, which has the grammar engine (the server does not
+        import it); the grammar text is kept for the request's compile."""
+        if self.grammar is None:
+            raise InvalidRequestError(param, "this engine has no tokenizer to build grammars")
+        check_schema(schema, param)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the next step, which reports it as aborted."""

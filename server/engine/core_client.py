@@ -1,11 +1,13 @@
 """`EngineClient`: the server's handle on the engine core, which runs in its own process.
 
 The HTTP side (an asyncio event loop) never runs a step. It validates a request (InputProcessor),
-registers the asyncio queue its outputs go to, and sends it to the core; a receiver thread takes the
-core's step reports, detokenizes them (OutputProcessor), aborts in the core what a stop string ended,
-and hands each output to the event loop that asked for it, one `call_soon_threadsafe` per loop and
-step. Metrics observers see every step there. `in_process=True` runs the same core loop in a thread of
-this process instead (tests that reach into the engine; debugging), over the same messages.
+registers the asyncio queue its outputs go to, and sends it to the core; requests that carry a JSON
+schema wait for the core's AddReply, since only the core's process has the grammar engine that checks it
+(this process imports neither it nor torch). A receiver thread takes the core's step reports, detokenizes
+them (OutputProcessor), aborts in the core what a stop string ended, and hands each output to the event
+loop that asked for it, one `call_soon_threadsafe` per loop and step. Metrics observers see every step
+there. `in_process=True` runs the same core loop in a thread of this process instead (tests that reach
+into the engine; debugging), over the same messages (core_launch.py starts either).
 
 A step that raises fails the requests then in flight (each gets an `EngineStepError`, which the server
 turns into a 500 for that request alone); the core aborts them and carries on. A core process that dies
@@ -17,10 +19,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,18 +29,19 @@ import msgspec
 from iterserve.common.wire import Knobs
 from iterserve.server.config import EngineConfig
 from iterserve.server.engine.channels import QueueChannel, ZmqChannel
+from iterserve.server.engine.core_launch import CoreLaunch
 from iterserve.server.engine.input_processor import InputProcessor
 from iterserve.server.engine.knobs import validate_change
 from iterserve.server.engine.messages import (
     Abort,
+    AddChecked,
+    AddReply,
     AddRequest,
-    FromCore,
     KnobsReply,
     PrefixCacheReset,
-    Ready,
     ResetPrefixCache,
+    SchemaCheck,
     Shutdown,
-    StartupFailed,
     StepFailed,
     StepReport,
     UpdateKnobs,
@@ -52,8 +51,9 @@ from iterserve.server.engine.outputs import RequestOutput
 from iterserve.server.engine.sampling_params import SamplingParams
 from iterserve.server.errors import InvalidRequestError
 
-if TYPE_CHECKING:  # torch and the tokenizer libraries are the core's, not imported here at run time
+if TYPE_CHECKING:  # torch and the grammar engine are the core's, not imported here at run time
     from iterserve.server.engine.core import EngineCore
+    from iterserve.server.engine.request import Request
     from iterserve.server.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("iterserve.engine")
@@ -85,7 +85,6 @@ class EngineClient:
     def __init__(self, config: EngineConfig, *, in_process: bool = False, log_level: str = "warning"):
         self.config = config
         self.in_process = in_process
-        self.log_level = log_level
         self.core: EngineCore | None = None  # the EngineCore itself, in-process only
         self.tokenizer: Tokenizer | None = None  # None: a dummy model without tokenizer.json
         self._channel: QueueChannel | ZmqChannel  # set by start()
@@ -99,28 +98,21 @@ class EngineClient:
         # pod's new prompts, for a load-aware router (`num_prompt_tokens_pending`)
         self._unprefilled: dict[str, int] = {}
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe
-        # call id -> (event loop, future) of a coroutine awaiting the core's reply (knobs, cache reset)
+        # call id -> (event loop, future) of a coroutine awaiting the core's reply (checked adds, knobs, cache reset)
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._alive = False
         self._stopping = False
-        self._proc: subprocess.Popen | None = None
-        self._core_thread: threading.Thread | None = None
-        self._tmp: str | None = None
+        self._launch = CoreLaunch(config, log_level)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def start(self, while_core_loads: Callable[[Tokenizer | None], None] | None = None) -> None:
+    def start(self) -> None:
         """Start the engine core and wait until it is ready. A bad model or flag raises what building
-        the engine raises (InvalidRequestError, FileNotFoundError, ValueError), naming it.
-        `while_core_loads(tokenizer)`: the caller's own start-up work, run on this thread while the core
-        process loads the weights (in-process: once the core is built), so the two overlap."""
-        if self.in_process:
-            ready, tokenizer = self._start_thread_core()
-            if while_core_loads is not None:
-                while_core_loads(tokenizer)
-        else:
-            ready, tokenizer = self._start_process_core(while_core_loads)
+        the engine raises (InvalidRequestError, FileNotFoundError, ValueError), naming it."""
+        ready, tokenizer = self._launch.start(self.in_process)
+        assert self._launch.channel is not None
+        self.core, self._channel = self._launch.core, self._launch.channel
         self.tokenizer = tokenizer
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.kv_cache_report = ready.kv_cache_report
@@ -132,70 +124,15 @@ class EngineClient:
         self._receiver = threading.Thread(target=self._receive_loop, name="iterserve-engine-client", daemon=True)
         self._receiver.start()
 
-    def _start_thread_core(self) -> tuple[Ready, Tokenizer | None]:
-        from iterserve.server.engine.core_proc import EngineCoreLoop, ready_message
-        from iterserve.server.engine.engine_factory import build_engine_core
-
-        built = build_engine_core(self.config)
-        self.core = built.core
-        self._channel, core_end = QueueChannel.pair()
-        loop = EngineCoreLoop(built.core, core_end)
-        self._core_thread = threading.Thread(target=loop.run, name="iterserve-engine-core", daemon=True)
-        self._core_thread.start()
-        return ready_message(built, loop.snapshot()), built.tokenizer
-
-    def _start_process_core(self, while_core_loads) -> tuple[Ready, Tokenizer | None]:
-        # neither imports torch: the core's process starts first (torch, the weights), and what this
-        # process still imports (the grammar engine, which brings torch) overlaps it in while_core_loads
-        from iterserve.server.engine.messages import raise_startup_failure
-        from iterserve.server.model.tokenizer import load_config_tokenizer
-
-        self._tmp = tempfile.mkdtemp(prefix="iterserve-core-")
-        to_core, from_core = f"ipc://{self._tmp}/to-core", f"ipc://{self._tmp}/from-core"
-        self._channel = ZmqChannel(to_core, from_core, FromCore, bind=True)
-        self._proc = subprocess.Popen([
-            sys.executable, "-m", "iterserve.server.engine.core_proc", "--input", to_core, "--output", from_core,
-            "--config", msgspec.json.encode(self.config).decode(), "--log-level", self.log_level])
-        try:
-            tokenizer = load_config_tokenizer(self.config)  # while the core loads the weights
-            if while_core_loads is not None:
-                while_core_loads(tokenizer)
-            while True:
-                for message in self._channel.receive(0.5):
-                    if isinstance(message, Ready):
-                        return message, tokenizer
-                    if isinstance(message, StartupFailed):
-                        raise_startup_failure(message)
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"the engine core exited with status {self._proc.returncode} before it "
-                                       "was ready (its log is above)")
-        except BaseException:
-            self._stop_core(timeout=5)
-            raise
-
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
         if self._alive:
             self._send(Shutdown())
         if getattr(self, "_receiver", None) is not None:
             self._receiver.join(timeout)
-        self._stop_core(timeout)
+        self._launch.stop(timeout)
         self._alive = False
         self._fail_all(EngineStoppedError("the engine was shut down"))
-
-    def _stop_core(self, timeout: float) -> None:
-        if self._core_thread is not None:
-            self._core_thread.join(timeout)
-        if self._proc is not None:
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        if getattr(self, "_channel", None) is not None:
-            self._channel.close()
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
 
     @property
     def is_running(self) -> bool:
@@ -207,25 +144,74 @@ class EngineClient:
         """Validate a request without queueing it (raises InvalidRequestError naming the field)."""
         return self.input_processor.make_request(prompt, sampling_params, **kw)
 
-    def open_stream(self, request_id: str, prompt, sampling_params, *, prompt_token_ids=None,
-                    priority: int = 0) -> asyncio.Queue:
-        """Add a request now (raising InvalidRequestError at once) and return the queue its outputs
-        arrive on."""
-        if not self.is_running:
-            raise EngineStoppedError("the engine is not running")
-        req = self.make_request(prompt, sampling_params, prompt_token_ids=prompt_token_ids, request_id=request_id,
-                                priority=priority)
+    async def open_streams(self, choices: list[tuple[str, list[int], SamplingParams]], *, priority: int = 0,
+                           schema_checks: list[tuple[str, str]] | None = None) -> list[asyncio.Queue]:
+        """Add requests together (one HTTP request's choices: request id, prompt token ids, parameters) and
+        return the queues their outputs arrive on; one that is refused (InvalidRequestError) leaves none
+        added. `schema_checks`, (param, JSON schema text) for every schema they carry: the core checks them
+        before it adds any, and a schema it cannot take raises InvalidRequestError naming its param."""
+        adds: list[AddRequest] = []
+        queues: list[asyncio.Queue] = []
+        try:
+            if not self.is_running:
+                raise EngineStoppedError("the engine is not running")
+            for request_id, prompt_token_ids, params in choices:
+                req = self.make_request(None, params, prompt_token_ids=prompt_token_ids, request_id=request_id,
+                                        priority=priority)
+                queues.append(self._register(req))
+                adds.append(AddRequest(request_id, req.prompt_token_ids, req.sampling_params, req.priority,
+                                       req.arrival_time))
+            if not schema_checks:
+                for add in adds:
+                    self._send(add)
+                return queues
+            checks = [SchemaCheck(param, schema) for param, schema in schema_checks]
+            future = self._start_call(lambda call_id: AddChecked(call_id, checks, adds))
+        except BaseException:
+            self._forget([a.request_id for a in adds])  # registered here, never sent
+            raise
+        ids = [a.request_id for a in adds]
+        try:
+            reply: AddReply = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # the caller went away while the core checked: settle with whatever the core then did
+            future.add_done_callback(lambda done: self._settle(ids, done))
+            raise
+        except BaseException:  # the core stopped: their streams were failed; their state goes too
+            self._forget(ids)
+            raise
+        if reply.error_param is not None:
+            self._forget(ids)  # the core added none of them
+            raise InvalidRequestError(reply.error_param, reply.error_message or "refused")
+        return queues
+
+    def _register(self, req: Request) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if request_id in self._streams or self.output_processor.has_request(request_id):
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            if req.request_id in self._streams or self.output_processor.has_request(req.request_id):
+                raise InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
             # registered before the core can see the request, so no output can be missed
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-            self._unprefilled[request_id] = len(req.prompt_token_ids)
-            self.output_processor.add_request(request_id, req.prompt_token_ids, req.sampling_params,
+            self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
+            self._unprefilled[req.request_id] = len(req.prompt_token_ids)
+            self.output_processor.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
                                               req.arrival_time)
-        self._send(AddRequest(request_id, req.prompt_token_ids, req.sampling_params, req.priority, req.arrival_time))
         return queue
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Drop requests the core never added (nothing to abort there)."""
+        with self._lock:
+            for request_id in request_ids:
+                self._streams.pop(request_id, None)
+                self._unprefilled.pop(request_id, None)
+                self.output_processor.remove_request(request_id)
+
+    def _settle(self, request_ids: list[str], reply: asyncio.Future) -> None:
+        """The AddReply of a caller that stopped waiting: abort what the core added, forget what it did not."""
+        if reply.cancelled() or reply.exception() is not None or reply.result().error_param is not None:
+            self._forget(request_ids)
+        else:
+            for request_id in request_ids:
+                self.abort(request_id)
 
     async def stream_outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Yield one opened request's outputs. If the consumer stops early (its client went away: the
@@ -278,13 +264,16 @@ class EngineClient:
 
     async def _call(self, make_message):
         """Send the message `make_message(call_id)` and await the core's reply to that call id."""
+        return await self._start_call(make_message)
+
+    def _start_call(self, make_message) -> asyncio.Future:
         if not self.is_running:
             raise EngineStoppedError("the engine is not running")
         loop = asyncio.get_running_loop()
         call_id, future = next(self._call_ids), loop.create_future()
         self._calls[call_id] = (loop, future)
         self._send(make_message(call_id))
-        return await future
+        return future
 
     # -- state (any thread) ----------------------------------------------------------------------
 
@@ -326,19 +315,14 @@ class EngineClient:
                     self._on_message(message)
                 except Exception:  # noqa: BLE001 - a bad report must not stop the deliveries
                     logger.exception("handling an engine core message failed")
-            if not messages and not self._core_alive() and not self._stopping:
-                code = self._proc.returncode if self._proc is not None else None
+            if not messages and not self._launch.alive() and not self._stopping:
+                code = self._launch.exit_status
                 logger.error("the engine core stopped (exit status %s); failing every request in flight", code)
                 self._alive = False
                 self._fail_all(EngineStoppedError(f"the engine core stopped (exit status {code})"))
                 for loop, future in self._calls.values():
                     _call_soon(loop, _set_exception, future, EngineStoppedError("the engine core stopped"))
                 return
-
-    def _core_alive(self) -> bool:
-        if self._proc is not None:
-            return self._proc.poll() is None
-        return self._core_thread is not None and self._core_thread.is_alive()
 
     def _on_message(self, message) -> None:
         if isinstance(message, StepReport):
@@ -350,7 +334,7 @@ class EngineClient:
             self._deliver(outputs)
             if message.stats is not None:
                 self._observe(StepInfo(outputs, *msgspec.structs.astuple(message.stats)))
-        elif isinstance(message, (KnobsReply, PrefixCacheReset)):
+        elif isinstance(message, (AddReply, KnobsReply, PrefixCacheReset)):
             loop, future = self._calls.pop(message.call_id)
             _call_soon(loop, _set_result, future, message)
         elif isinstance(message, StepFailed):

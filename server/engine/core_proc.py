@@ -22,6 +22,8 @@ import msgspec
 from iterserve.server.engine.core import EngineCore
 from iterserve.server.engine.messages import (
     Abort,
+    AddChecked,
+    AddReply,
     AddRequest,
     KnobsReply,
     PrefixCacheReset,
@@ -70,9 +72,17 @@ class EngineCoreLoop:
     def _handle(self, message) -> None:
         core = self.core
         if isinstance(message, AddRequest):
-            core.add_request(Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
-                                     sampling_params=message.sampling_params, priority=message.priority,
-                                     arrival_time=message.arrival_time))
+            self._add(message)
+        elif isinstance(message, AddChecked):
+            try:
+                for check in message.checks:  # well under a millisecond each, and cached by the schema
+                    core.check_schema(check.schema, check.param)
+            except InvalidRequestError as e:
+                self.channel.send(AddReply(message.call_id, e.param, e.message))
+                return
+            for add in message.requests:
+                self._add(add)
+            self.channel.send(AddReply(message.call_id))  # before any step that runs them
         elif isinstance(message, Abort):
             for request_id in message.request_ids:
                 core.abort_request(request_id)
@@ -90,6 +100,11 @@ class EngineCoreLoop:
             num_blocks = core.reset_prefix_cache()  # between steps: this loop is the engine thread
             self.channel.send(StepReport([], None, self.snapshot()))
             self.channel.send(PrefixCacheReset(message.call_id, num_blocks))
+
+    def _add(self, message: AddRequest) -> None:
+        self.core.add_request(Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+                                      sampling_params=message.sampling_params, priority=message.priority,
+                                      arrival_time=message.arrival_time))
 
     def _step(self) -> None:
         core, stats = self.core, self.core.stats

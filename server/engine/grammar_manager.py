@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.server.engine.structured_output import StructuredOutput, grammar_text
+from iterserve.server.engine.structured_output import StructuredOutput, checked_grammar_text
 
 if TYPE_CHECKING:  # xgrammar loads with the first grammar
     import xgrammar
@@ -160,7 +160,8 @@ class GrammarManager:
         return matcher
 
     def _compile(self, spec: StructuredOutput):
-        return self._get_compiler().compile_grammar(grammar_text(spec.json_schema))
+        # the text from the schema's check (the core checked it before it queued the request)
+        return self._get_compiler().compile_grammar(checked_grammar_text(spec.json_schema))
 
     def _get_compiler(self):
         if self._compiler is None:

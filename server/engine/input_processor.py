@@ -1,7 +1,9 @@
 """A prompt and its parameters -> a validated `Request`, on the caller's side of the engine core.
 
 Shared by the offline `LLMEngine` and the server's `EngineClient`, so both refuse the same inputs with
-the same field-named errors, before anything is queued.
+the same field-named errors, before anything is queued. A JSON schema is checked here only where the
+engine core runs in this process (`check_schemas`, offline): the server's core checks its requests'
+schemas itself, so the server's process never imports the grammar engine (and torch with it).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import uuid
 
 from iterserve.server.engine.request import Request
 from iterserve.server.engine.sampling_params import SamplingParams
+from iterserve.server.engine.structured_output import check_schema
 from iterserve.server.errors import InvalidRequestError
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int):
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, *, check_schemas: bool = False):
         self.tokenizer = tokenizer
+        self.check_schemas = check_schemas
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
@@ -32,9 +36,12 @@ class InputProcessor:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
-        if params.structured_output is not None and self.tokenizer is None:
+        spec = params.structured_output
+        if spec is not None and self.tokenizer is None:
             raise InvalidRequestError("response_format", "structured output needs the model's tokenizer (its "
                                       "vocabulary is what the grammar masks); this model has none")
+        if spec is not None and spec.json_schema is not None and self.check_schemas:
+            check_schema(spec.json_schema)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
         return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling_params=params,

@@ -45,7 +45,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = core.max_model_len
         self.vocab_size = vocab_size
-        self.input_processor = InputProcessor(tokenizer, core.max_model_len, vocab_size)
+        # the core is in this process, grammar engine included: schemas are checked with the rest
+        self.input_processor = InputProcessor(tokenizer, core.max_model_len, vocab_size, check_schemas=True)
         self.output_processor = OutputProcessor(tokenizer)
         self._enqueue_lock = threading.Lock()
 

@@ -1,10 +1,10 @@
 """The messages between the server (frontend) and the engine core, typed, as msgpack over ZeroMQ.
 
-frontend -> core: AddRequest, Abort, UpdateKnobs, ResetPrefixCache, Shutdown.
+frontend -> core: AddRequest, AddChecked, Abort, UpdateKnobs, ResetPrefixCache, Shutdown.
 core -> frontend: Ready (or StartupFailed) once, then a StepReport per step (and after every knob
-change or prefix cache reset, so an idle engine's state is current), KnobsReply per UpdateKnobs,
-PrefixCacheReset per ResetPrefixCache, StepFailed when a step raised. Every request-level field is
-keyed by request id; nothing depends on positions.
+change or prefix cache reset, so an idle engine's state is current), AddReply per AddChecked, KnobsReply
+per UpdateKnobs, PrefixCacheReset per ResetPrefixCache, StepFailed when a step raised. Every
+request-level field is keyed by request id; nothing depends on positions.
 """
 
 from __future__ import annotations
@@ -22,6 +22,21 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     sampling_params: SamplingParams
     priority: int
     arrival_time: float  # time.monotonic() in the frontend (the clock is system-wide)
+
+
+class SchemaCheck(msgspec.Struct, array_like=True):
+    param: str  # the request's field the schema came from, which an error names
+    schema: str  # JSON text
+
+
+class AddChecked(msgspec.Struct, tag=True, array_like=True):
+    """Requests (one HTTP request's choices) that carry JSON schemas: the core checks every schema (the
+    grammar engine is the core's alone) and adds all the requests, or none if one schema fails; it answers
+    with an AddReply before it runs any step with them."""
+
+    call_id: int
+    checks: list[SchemaCheck]
+    requests: list[AddRequest]
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -100,6 +115,12 @@ class KnobsReply(msgspec.Struct, tag=True, array_like=True):
     error_message: str | None = None
 
 
+class AddReply(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    error_param: str | None = None  # None: every request was added; else the first failing check's param
+    error_message: str | None = None
+
+
 class PrefixCacheReset(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     num_blocks: int  # blocks that were findable in the cache
@@ -113,8 +134,8 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
     snapshot: Snapshot
 
 
-ToCore = AddRequest | Abort | UpdateKnobs | ResetPrefixCache | Shutdown
-FromCore = Ready | StartupFailed | StepReport | KnobsReply | PrefixCacheReset | StepFailed
+ToCore = AddRequest | AddChecked | Abort | UpdateKnobs | ResetPrefixCache | Shutdown
+FromCore = Ready | StartupFailed | StepReport | AddReply | KnobsReply | PrefixCacheReset | StepFailed
 
 
 def startup_failure(exc: Exception) -> StartupFailed:

@@ -52,6 +52,10 @@ class OutputProcessor:
                                                            skip_special_tokens=params.skip_special_tokens)
         self._states[request_id] = _RequestState(prompt_token_ids, params, arrival_time, detok)
 
+    def remove_request(self, request_id: str) -> None:
+        """Forget a request the engine core never took (refused there, or never sent)."""
+        self._states.pop(request_id, None)
+
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """One step's core outputs -> RequestOutputs, and the ids finished here by a stop string,
         which the caller must abort in the engine core."""

@@ -1,7 +1,8 @@
 """`iterserve serve`: the OpenAI-compatible HTTP server (uvicorn), with graceful drain on SIGTERM.
 
 The engine core runs in a child process (engine/core_client.py); this process serves HTTP, tokenizes
-and detokenizes. The core exits with the server, and a core that dies makes /health fail.
+and detokenizes, and imports neither torch nor the grammar engine (the core checks response_format's
+schemas). The core exits with the server, and a core that dies makes /health fail.
 
 SIGTERM does not stop uvicorn at once: readiness fails, new requests get 503 (the socket stays open,
 so a client that still reaches the pod gets an answer, not a refused connection), and the requests in
@@ -12,7 +13,6 @@ down and the process exits 0. A second SIGTERM, or SIGINT, stops at once (uvicor
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import signal
@@ -92,17 +92,7 @@ def build_server_state(engine, model_name: str, *, max_queue: int | None = None,
                         limits=limits or ServerLimits(), scheduling_policy=scheduling_policy,
                         tool_call_parser=tool_call_parser)
     state.metrics = Metrics(engine, model_name)
-    import_grammar_engine(engine.tokenizer)  # a no-op where `serve` did it while the core loaded
     return state
-
-
-def import_grammar_engine(tokenizer) -> None:
-    """The schema checks of response_format need xgrammar, whose import takes seconds of CPU (it brings
-    torch and transformers): at start-up, on the main thread (not in the first request that asks, nor on a
-    second thread, where an import racing the main thread's can hang). A model without a tokenizer takes
-    token ids and no response_format."""
-    if tokenizer is not None:
-        importlib.import_module("xgrammar")
 
 
 def make_uvicorn_server(app, state, *, host: str, port: int, drain_timeout: float, log_level: str = "info"):
@@ -157,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         from iterserve.server.engine.core_client import EngineClient  # heavy imports: only once args are good
 
         engine = EngineClient(config, log_level=args.log_level)
-        engine.start(while_core_loads=import_grammar_engine)
+        engine.start()
     except (InvalidRequestError, FileNotFoundError, ValueError) as e:
         print(f"iterserve serve: error: {e}", file=sys.stderr)
         return 2
