@@ -258,6 +258,26 @@ def test_structured_output_needs_a_tokenizer(tiny_llama):
     assert e.value.param == "response_format"
 
 
+def test_a_request_id_used_again_keeps_its_grammar(engine):
+    """A finished request's id may be taken again at once (LLMEngine refuses it only while in flight): the
+    new request's grammar must not be freed as the old one's leaving is told to the next step."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for _ in range(3):
+        outs = run_with_ids(engine, ["again-0", "again-1"], SamplingParams(
+            max_tokens=20, temperature=1.0, structured_output=grammar(schema)))
+        assert [(o.finish_reason, json.loads(o.text) in ({"ok": True}, {"ok": False})) for o in outs] == [
+            ("stop", True)] * 2
+
+
+def run_with_ids(engine, ids: list[str], params: SamplingParams) -> list:
+    for request_id in ids:
+        engine.add_request(prompt_token_ids=[40, 41], sampling_params=params, request_id=request_id)
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [final[i] for i in ids]
+
+
 def test_the_grammar_end_stops_a_request_that_ignores_eos(engine):
     """ignore_eos keeps EOS from stopping a request, but a grammar at its end state allows nothing else:
     the request stops there (as vLLM's), with the document complete, rather than run on to max_tokens."""

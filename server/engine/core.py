@@ -140,7 +140,9 @@ class EngineCore:
         # checked after scheduling: a request added meanwhile (another thread) was counted before it could be
         grammar = self.grammar if self.grammar is not None and self.grammar.num_live else None
         if grammar is not None:
-            grammar.free(scheduler_output.finished_request_ids)  # aborted ones among them
+            # the aborted ones (finished ones freed theirs in _update): not every finished id, since a
+            # request that finished in the last step may have been added again, its new grammar compiling
+            grammar.free([r.request_id for r in self.scheduler.aborted])
             # starts the fill, which runs beside the forward pass below
             scheduler_output.grammar_bitmask = grammar.bitmask(
                 [s.request_id for s in scheduler_output.scheduled
