@@ -1,8 +1,8 @@
 """While pods a scale-out added come up and their backlog drains, the tuner does not back max_num_seqs off
-for a breach, and while the backlog drains it does not raise the chunk either: `scale_out_in_flight` on a
-table of scaler states, then `decide` with and without a scale-out in flight on the same windows (the
-held move gives way to the next cure, or to holding; preemptions still back off; ITL's breach is still
-cured); `OutsideScale` following a fleet sized outside the operator tick by tick."""
+for a breach, and while the backlog drains, or ITL is over as well, it does not raise the chunk either:
+`scale_out_in_flight` on a table of scaler states, then `decide` with and without a scale-out in flight on
+the same windows (the held move gives way to the next cure, or to holding; preemptions still back off;
+ITL's breach is still cured); `OutsideScale` following a fleet sized outside the operator tick by tick."""
 
 from __future__ import annotations
 
@@ -145,6 +145,24 @@ def test_while_the_backlog_drains_itl_is_still_cured():
     assert decide_at(both, None).action == RAISE_CHUNK
     drained = decide_at(both, DRAINING)
     assert drained.action == LOWER_CHUNK and drained.state.knobs.max_num_seqs == START.max_num_seqs
+
+
+@pytest.mark.parametrize("name, obs, knobs, held_action", [
+    # the live runs' window: a second pod starting, the queue new and TTFT the farther over, ITL over too
+    ("a smaller chunk for ITL instead", window(ttft=3000, itl=160), START, LOWER_CHUNK),
+    ("the chunk at its lower bound: the knobs hold", window(ttft=3000, itl=160),
+     START.replace(prefill_chunk_size=32), HOLD),
+])
+def test_while_pods_start_with_itl_over_the_chunk_is_not_raised(name, obs, knobs, held_action):
+    assert decide_at(obs, None, knobs).action == RAISE_CHUNK
+    held = decide_at(obs, IN_FLIGHT, knobs)
+    assert held.action == held_action, held.reason
+    assert held.state.knobs.prefill_chunk_size <= knobs.prefill_chunk_size
+    assert held.state.knobs.max_num_seqs == knobs.max_num_seqs  # and no back-off
+    assert str(IN_FLIGHT) in held.reason and "not raising the chunk" in held.reason, held.reason
+    # ITL within its SLO: the larger chunk is TTFT's cure while the pods start as before
+    ttft = window(ttft=3000, itl=40)
+    assert decide_at(ttft, IN_FLIGHT, knobs).action == decide_at(ttft, None, knobs).action == RAISE_CHUNK
 
 
 def follow(ticks: list[tuple[int, int, float | None]], window_s: float = 60.0) -> list[str | None]:

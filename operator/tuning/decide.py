@@ -178,8 +178,8 @@ def cure_breach(w: Window) -> Decision | None:
     costs them nothing that matters, and a wrong one is judged in the next window). An unconfirmed breach
     moves nothing, so one noisy window cannot toggle a knob; `corrections.corrections` picks the cure for
     the p99 that is over. While pods a scale-out added come up (`scale_out`), that cure is not a back-off
-    of max_num_seqs, and while they drain the backlog gathered before them, not a larger chunk either
-    (fleet_change.py)."""
+    of max_num_seqs; nor a larger chunk while ITL is over too, nor while they drain the backlog gathered
+    before them (fleet_change.py)."""
     s, r, policy, state = w.s, w.r, w.policy, w.state
     if r.met:
         return None
@@ -196,10 +196,11 @@ def cure_breach(w: Window) -> Decision | None:
     moves = corrections(state.knobs, w.seen, r, policy, ttft_bad, itl_bad, new_queue=s.num_ttft_breaches == 1)
     why = "SLO breached"
     if w.scale_out is not None:
-        # fewer places would cut what the pods carry as the fleet grows to carry more; and while it drains
-        # the backlog, TTFT's breach is that backlog's, not worth ITL's price of a larger chunk
+        # fewer places would cut what the pods carry as the fleet grows to carry more; and TTFT's breach is
+        # the backlog the pods come for, not worth ITL's price of a larger chunk: not with ITL over already,
+        # nor while the backlog drains
         held = {BACK_OFF_SEQS: "backing max_num_seqs off"}
-        if w.scale_out.draining:
+        if w.scale_out.draining or r.itl > 1:
             held[RAISE_CHUNK] = "raising the chunk"
         if moves and moves[0][0] in held:
             why = f"SLO breached, and {w.scale_out}: not {held[moves[0][0]]}"
