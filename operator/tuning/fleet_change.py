@@ -15,10 +15,10 @@ pods came up, which a fleet carrying more than arrives is already clearing), and
 buys TTFT with ITL, is not a cure for it either: live, a tuner that raised the chunk 64 -> 128 on p99
 TTFT 1.33x its SLO, the queue falling 34 -> 6, undid the smaller chunk that had cured ITL, and the next
 window breached ITL (222 ms against 205); the round's other run, its backlog gone a window sooner, kept 64
-and met both. Nor is it while the pods start and ITL is over its SLO as well: in three live runs out of
-three, the tuner raised the chunk 128 -> 256 (p99 ITL 1.14-2.0x its SLO) in the seconds the second pod
-took to start, came back to 128 a window later, ITL worse, and only then went on to 64. More places
-where the cap binds add throughput and still are.
+and met both. Nor is it while the pods start or settle and ITL is over its SLO as well: in three live
+runs out of three, the tuner raised the chunk 128 -> 256 (p99 ITL 1.14-2.0x its SLO) in the seconds the
+second pod took to start, came back to 128 a window later, ITL worse, and only then went on to 64. More
+places where the cap binds add throughput and still are.
 
 Both the operator (operator/tuning_loop.py) and the simulator (benchmarks/autoscaling.py) call this before
 the tuner's tick.
