@@ -178,8 +178,8 @@ def cure_breach(w: Window) -> Decision | None:
     costs them nothing that matters, and a wrong one is judged in the next window). An unconfirmed breach
     moves nothing, so one noisy window cannot toggle a knob; `corrections.corrections` picks the cure for
     the p99 that is over. While pods a scale-out added come up (`scale_out`), that cure is not a back-off
-    of max_num_seqs; nor a larger chunk while ITL is over too, nor while they drain the backlog gathered
-    before them (fleet_change.py)."""
+    of max_num_seqs; nor a larger chunk while ITL is over too, nor once they are all ready, settling or
+    draining the backlog gathered before them (fleet_change.py)."""
     s, r, policy, state = w.s, w.r, w.policy, w.state
     if r.met:
         return None
@@ -198,9 +198,9 @@ def cure_breach(w: Window) -> Decision | None:
     if w.scale_out is not None:
         # fewer places would cut what the pods carry as the fleet grows to carry more; and TTFT's breach is
         # the backlog the pods come for, not worth ITL's price of a larger chunk: not with ITL over already,
-        # nor while the backlog drains
+        # nor once the pods are up (settling or draining it), the larger fleet clearing it
         held = {BACK_OFF_SEQS: "backing max_num_seqs off"}
-        if w.scale_out.draining or r.itl > 1:
+        if w.scale_out.ready or r.itl > 1:
             held[RAISE_CHUNK] = "raising the chunk"
         if moves and moves[0][0] in held:
             why = f"SLO breached, and {w.scale_out}: not {held[moves[0][0]]}"

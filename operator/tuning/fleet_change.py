@@ -43,10 +43,10 @@ AUTOSCALER, OUTSIDE = "the autoscaler", "outside the operator"  # who made the s
 @dataclass(frozen=True)
 class ScaleOut:
     """A scale-out in flight, as the tuner is told of it: what it waits for (`why`, its str) and whether its
-    pods are up and draining the backlog gathered before them (the queue falling)."""
+    pods are all ready (settling, or draining the backlog gathered before them) rather than starting."""
 
     why: str
-    draining: bool = False
+    ready: bool = False
 
     def __str__(self) -> str:
         return self.why
@@ -70,14 +70,14 @@ def scale_out_in_flight(state: ScaleState, replicas: int, ready: int, policy: Sc
     whole = now if state.starting else (state.whole_since or last)
     left = policy.settle_s - (now - max(last, whole))
     if left > 0:
-        return ScaleOut(f"{grew} are settling ({left:.0f} s left)")
+        return ScaleOut(f"{grew} are settling ({left:.0f} s left)", ready=True)
     # the scaler's last two readings (its settling keeps them too), up to its last tick
     a, b = state.queue_before, state.last_queue
     if a is None or b is None or a[0] <= last or now - last >= policy.pod_start_s:
         return None
     if not a[1] > b[1] >= max(1.0, 0.5 * replicas):
         return None  # the backlog is gone, or the queue grows again: an overload of the new fleet
-    return ScaleOut(f"{grew} are draining the backlog ({a[1]:.0f} -> {b[1]:.0f} waiting)", draining=True)
+    return ScaleOut(f"{grew} are draining the backlog ({a[1]:.0f} -> {b[1]:.0f} waiting)", ready=True)
 
 
 @dataclass(frozen=True)
