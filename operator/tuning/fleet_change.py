@@ -10,15 +10,18 @@ all are ready (the scaler's own `settling`), and after that while the waiting qu
 backlog gathered before the new pods came up, drained by a fleet that now carries more than arrives:
 another live run backed off on the first window after the settling, 40 requests still waiting), the
 tuner does not back max_num_seqs off for a breach (decide.py's `cure_breach`); preemptions still back it
-off. While that backlog drains, a TTFT breach is mostly the backlog's (requests queued before the new
-pods came up, which a fleet carrying more than arrives is already clearing), and a larger chunk, which
-buys TTFT with ITL, is not a cure for it either: live, a tuner that raised the chunk 64 -> 128 on p99
-TTFT 1.33x its SLO, the queue falling 34 -> 6, undid the smaller chunk that had cured ITL, and the next
-window breached ITL (222 ms against 205); the round's other run, its backlog gone a window sooner, kept 64
-and met both. Nor is it while the pods start or settle and ITL is over its SLO as well: in three live
-runs out of three, the tuner raised the chunk 128 -> 256 (p99 ITL 1.14-2.0x its SLO) in the seconds the
-second pod took to start, came back to 128 a window later, ITL worse, and only then went on to 64. More
-places where the cap binds add throughput and still are.
+off. Once the pods are all ready (`ScaleOut.ready`: settling, then draining), a TTFT breach is mostly the
+backlog's (requests queued before the new pods came up, which the grown fleet is already clearing), and
+a larger chunk, which buys TTFT with ITL, is not a cure for it either: live, a tuner that raised the
+chunk 64 -> 128 on p99 TTFT 1.33x its SLO, the queue falling 34 -> 6, undid the smaller chunk that had
+cured ITL, and the next window breached ITL (222 ms against 205); the round's other run, its backlog
+gone a window sooner, kept 64 and met both. Another raised it 64 -> 256 in the settling window (TTFT
+3.1x, ITL 160 ms against 216), breached ITL (391 ms) and took two windows coming back to 64. Nor is it
+while the pods start and ITL is over its SLO as well: in three live runs out of three, the tuner raised
+the chunk 128 -> 256 (p99 ITL 1.14-2.0x its SLO) in the seconds the second pod took to start, came back
+to 128 a window later, ITL worse, and only then went on to 64. With ITL within its SLO the raise is
+TTFT's cure while pods start (the simulator's, 60 s to start, need it). More places where the cap binds
+add throughput and still are.
 
 Both the operator (operator/tuning_loop.py) and the simulator (benchmarks/autoscaling.py) call this before
 the tuner's tick.
