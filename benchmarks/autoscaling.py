@@ -132,7 +132,7 @@ class Hpa:
 
 ScaleFn = Callable[[ScaleState, Fleet, ScalePolicy, float], ScaleDecision]
 # why the tuner's move should be held this tick, from the scaler's state and the replicas asked for and ready
-HoldFn = Callable[[ScaleState, int, int, ScalePolicy, float], "str | None"]
+HoldFn = Callable[[ScaleState, int, int, ScalePolicy, float, float], "str | None"]
 
 
 class Probe(Protocol):
@@ -203,7 +203,7 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
         knobs_before = tuner.knobs
         d = decide(tuner, obs, policy, t, in_flight)
         if tuner_hold is not None and controller == "replicas" and d.action != HOLD and r.trouble is None and \
-                (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t)) is not None:
+                (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t, obs.queued)) is not None:
             d = stay(tuner, t, why, None, tuner.tuned)
         tuner = d.state
         if tuner.knobs != knobs_before:

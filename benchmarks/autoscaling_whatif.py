@@ -156,11 +156,13 @@ def headroom_on_latency(state: ScaleState, fleet: Fleet, policy: ScalePolicy, no
 
 
 def tuner_holds_while_scaling(state: ScaleState, replicas: int, ready: int, policy: ScalePolicy,
-                              now: float) -> str | None:
+                              now: float, queued: float = 0.0) -> str | None:
     """A rule tried for the tuner and not adopted (docs/benchmarks-autoscaling.md): while the replicas change
     under it, its window holds the fleet before the change, so it holds every move until a window holds
-    only the new fleet (the scaler's own `settling`), after a scale-in too. The reason, or None."""
-    if (why := scale_out_in_flight(state, replicas, ready, policy, now)) is not None:
+    only the new fleet (the scaler's own `settling`), after a scale-in too. `queued`: requests waiting in
+    the tuner's window. The reason, or None."""
+    why = scale_out_in_flight(state, replicas, ready, policy, now)
+    if why is not None and (why := why.seen(queued)) is not None:
         return str(why)
     last = state.last_scale_time
     if state.last_direction != SCALE_IN or last is None or now - last >= policy.settle_s:

@@ -30,37 +30,43 @@ POLICY = ScalePolicy(min_replicas=1, max_replicas=8, settle_s=60, pod_start_s=60
 NOW = 10_000.0
 OUT = ScaleState(last_scale_time=NOW - 20, last_direction=SCALE_OUT, starting=True)
 
-# title, state, (replicas, ready), words in the reason (None: none in flight)
+SETTLED = dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80)
+
+# title, state, (replicas, ready), requests waiting as the tuner reads them now, words in the reason (None:
+# none in flight)
 ROWS = [
-    ("the autoscaler never moved", ScaleState(), (2, 1), None),
-    ("pods a scale-out added are starting", OUT, (2, 1), "starting (1/2 ready)"),
-    ("all ready now, before the scaler has seen it: a window from now", OUT, (2, 2), "settling (60 s left)"),
+    ("the autoscaler never moved", ScaleState(), (2, 1), 0.0, None),
+    ("pods a scale-out added are starting", OUT, (2, 1), 30.0, "starting (1/2 ready)"),
+    ("all ready now, before the scaler has seen it: a window from now", OUT, (2, 2), 30.0, "settling (60 s left)"),
     ("ready 30 s ago: half a window left",
-     dataclasses.replace(OUT, last_scale_time=NOW - 45, starting=False, whole_since=NOW - 30), (2, 2), "(30 s left)"),
-    ("ready a window ago: over", dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False,
-                                                     whole_since=NOW - 60), (2, 2), None),
+     dataclasses.replace(OUT, last_scale_time=NOW - 45, starting=False, whole_since=NOW - 30), (2, 2), 30.0,
+     "(30 s left)"),
+    ("ready a window ago, nothing read since the scale-out: over",
+     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 60), (2, 2), 30.0, None),
     ("pods that never started are not waited for past pod_start_s",
-     dataclasses.replace(OUT, last_scale_time=NOW - 600), (2, 1), None),
+     dataclasses.replace(OUT, last_scale_time=NOW - 600), (2, 1), 30.0, None),
     ("settled, the queue still falling: the backlog drains",
-     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80,
-                         queue_before=(NOW - 10, 40.0), last_queue=(NOW - 5, 36.0)), (2, 2),
+     dataclasses.replace(SETTLED, queue_before=(NOW - 10, 44.0), last_queue=(NOW - 5, 40.0)), (2, 2), 36.0,
      "draining the backlog (40 -> 36 waiting)"),
-    ("settled, the queue rising again: an overload of the new fleet",
-     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80,
-                         queue_before=(NOW - 10, 36.0), last_queue=(NOW - 5, 40.0)), (2, 2), None),
+    # a live run: the scaler's readings, a tick older than the tuner's, had the queue still rising
+    ("settled, the queue falling only as the tuner reads it now: the backlog drains",
+     dataclasses.replace(SETTLED, queue_before=(NOW - 10, 21.7), last_queue=(NOW - 5, 22.0)), (2, 2), 18.1,
+     "draining the backlog (22 -> 18 waiting)"),
+    ("settled, the queue rising again as the tuner reads it now: an overload of the new fleet",
+     dataclasses.replace(SETTLED, queue_before=(NOW - 10, 40.0), last_queue=(NOW - 5, 36.0)), (2, 2), 38.0, None),
     ("settled, the backlog gone (under one request waiting)",
-     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80,
-                         queue_before=(NOW - 10, 3.0), last_queue=(NOW - 5, 0.8)), (2, 2), None),
+     dataclasses.replace(SETTLED, queue_before=(NOW - 10, 5.0), last_queue=(NOW - 5, 3.0)), (2, 2), 0.8, None),
     ("readings from before the scale-out say nothing of its backlog",
-     dataclasses.replace(OUT, last_scale_time=NOW - 100, starting=False, whole_since=NOW - 80,
-                         queue_before=(NOW - 110, 40.0), last_queue=(NOW - 105, 36.0)), (2, 2), None),
-    ("a scale-in is not a scale-out", ScaleState(last_scale_time=NOW - 10, last_direction=SCALE_IN), (1, 1), None),
+     dataclasses.replace(SETTLED, queue_before=(NOW - 110, 40.0), last_queue=(NOW - 105, 36.0)), (2, 2), 30.0, None),
+    ("a scale-in is not a scale-out", ScaleState(last_scale_time=NOW - 10, last_direction=SCALE_IN), (1, 1), 0.0,
+     None),
 ]
 
 
-@pytest.mark.parametrize("title, state, seen, words", ROWS, ids=[r[0] for r in ROWS])
-def test_scale_out_in_flight(title, state, seen, words):
+@pytest.mark.parametrize("title, state, seen, queued, words", ROWS, ids=[r[0] for r in ROWS])
+def test_scale_out_in_flight(title, state, seen, queued, words):
     why = scale_out_in_flight(state, *seen, POLICY, NOW)
+    why = why if why is None else why.seen(queued)
     assert why is None if words is None else (why is not None and words in str(why)), why
     assert why is None or why.ready == ("starting" not in words)  # pods up: a larger chunk is held
 
@@ -174,13 +180,14 @@ def test_while_pods_start_with_itl_over_the_chunk_is_not_raised(name, obs, knobs
 
 
 def follow(ticks: list[tuple[int, int, float | None]], window_s: float = 60.0) -> list[str | None]:
-    """`OutsideScale` over ticks 5 s apart of (spec.replicas, pods ready, requests waiting after the tick):
-    what each tick tells the tuner."""
+    """`OutsideScale` over ticks 5 s apart of (spec.replicas, pods ready, requests waiting as the tuner reads
+    them at the tick and the scaler records after it): what each tick tells the tuner."""
     outside, said = OutsideScale(), []
     for i, (replicas, ready, queued) in enumerate(ticks):
         now = NOW + 5 * i
         outside = outside.see(replicas, ready, now)
         why = outside.in_flight(ready, window_s, now)
+        why = why if why is None or queued is None else why.seen(queued)  # the tuner reads `queued` now
         said.append(None if why is None else str(why))
         if queued is not None:
             outside = outside.queue(queued, now)
@@ -194,8 +201,8 @@ def test_an_outside_scale_out_is_followed_from_start_through_the_drain():
     assert said[0] is None  # the first count seen is no change
     assert said[1] == said[2] == "pods added outside the operator are starting (1/2 ready)"
     assert said[3] == "the 2 replicas the fleet grew to outside the operator are settling (60 s left)"
-    assert "settling (5 s left)" in said[14] and "draining the backlog (22 -> 20 waiting)" in said[15]
-    assert "(18 -> 8 waiting)" in said[-2] and said[-1] is None  # 8 -> 9: the queue grows, no longer held
+    assert "settling (5 s left)" in said[14] and "draining the backlog (20 -> 18 waiting)" in said[15]
+    assert "(18 -> 8 waiting)" in said[-3] and said[-2:] == [None, None]  # 8 -> 9: the queue grows, not held
 
 
 @pytest.mark.parametrize("name, ticks", [

@@ -52,7 +52,8 @@ class Window:
     def __init__(self, state: TunerState, obs: Observation | None, policy: TuningPolicy, now: float,
                  scale_out: ScaleOut | None = None):
         self.state, self.obs, self.policy, self.now = state, obs, policy, now
-        self.scale_out = scale_out  # what a scale-out in flight waits for (fleet_change.py), or None
+        # what a scale-out in flight waits for (fleet_change.py), or None; a drain as this window's queue has it
+        self.scale_out = scale_out if scale_out is None or obs is None else scale_out.seen(obs.queued)
 
     @property
     def seen(self) -> Observation:

@@ -6,8 +6,9 @@ added pods, halving max_num_seqs (the tuner's cure for both p99s over) cuts what
 the fleet is growing to carry more: live, a pod with 41 requests waiting went from 16 to 6 places while
 its peer started, the queue grew to 53, and the SLO was met 3 minutes into the peak instead of 1.5
 (docs/benchmarks-autoscaling.md). So while a scale-out's pods are starting, for a window after they
-all are ready (the scaler's own `settling`), and after that while the waiting queue still falls (the
-backlog gathered before the new pods came up, drained by a fleet that now carries more than arrives:
+all are ready (the scaler's own `settling`), and after that while the waiting queue still falls from the
+scaler's last reading to the tuner's at its tick (`ScaleOut.seen`; the backlog gathered before the new
+pods came up, drained by a fleet that now carries more than arrives:
 another live run backed off on the first window after the settling, 40 requests still waiting), the
 tuner does not back max_num_seqs off for a breach (decide.py's `cure_breach`); preemptions still back it
 off. Once the pods are all ready (`ScaleOut.ready`: settling, then draining), a TTFT breach is mostly the
@@ -46,13 +47,28 @@ AUTOSCALER, OUTSIDE = "the autoscaler", "outside the operator"  # who made the s
 @dataclass(frozen=True)
 class ScaleOut:
     """A scale-out in flight, as the tuner is told of it: what it waits for (`why`, its str) and whether its
-    pods are all ready (settling, or draining the backlog gathered before them) rather than starting."""
+    pods are all ready (settling, or draining the backlog gathered before them) rather than starting.
+    After the settling it is a drain only while the queue falls: `drain_from` is the scaler's last reading
+    of requests waiting, and `seen` compares the tuner's own reading at its tick with it."""
 
     why: str
     ready: bool = False
+    drain_from: float | None = None
+    floor: float = 1.0  # fewer waiting than this is no backlog left to drain
 
     def __str__(self) -> str:
         return self.why
+
+    def seen(self, queued: float) -> ScaleOut | None:
+        """This scale-out for a tuner that reads `queued` requests waiting now: a drain holds only while the
+        queue is below the scaler's last reading (5 s before, a tick of the live cadence) and still a
+        backlog. The scaler's own last two readings are a tick older than the tuner's: live, they said
+        21.7 -> 22.0 waiting while the tuner read 18.1, and the larger chunk the drain holds back went up."""
+        if self.drain_from is None:
+            return self
+        if not self.drain_from > queued >= self.floor:
+            return None  # the backlog is gone, or the queue grows again: an overload of the new fleet
+        return ScaleOut(f"{self.why} ({self.drain_from:.0f} -> {queued:.0f} waiting)", ready=True)
 
 
 def scale_out_in_flight(state: ScaleState, replicas: int, ready: int, policy: ScalePolicy,
@@ -74,13 +90,12 @@ def scale_out_in_flight(state: ScaleState, replicas: int, ready: int, policy: Sc
     left = policy.settle_s - (now - max(last, whole))
     if left > 0:
         return ScaleOut(f"{grew} are settling ({left:.0f} s left)", ready=True)
-    # the scaler's last two readings (its settling keeps them too), up to its last tick
-    a, b = state.queue_before, state.last_queue
-    if a is None or b is None or a[0] <= last or now - last >= policy.pod_start_s:
+    # the scaler's last reading (its settling keeps it too), up to its last tick: the tuner's own at its
+    # tick says whether the queue still falls (`ScaleOut.seen`)
+    b = state.last_queue
+    if b is None or b[0] <= last or now - last >= policy.pod_start_s:
         return None
-    if not a[1] > b[1] >= max(1.0, 0.5 * replicas):
-        return None  # the backlog is gone, or the queue grows again: an overload of the new fleet
-    return ScaleOut(f"{grew} are draining the backlog ({a[1]:.0f} -> {b[1]:.0f} waiting)", ready=True)
+    return ScaleOut(f"{grew} are draining the backlog", ready=True, drain_from=b[1], floor=max(1.0, 0.5 * replicas))
 
 
 @dataclass(frozen=True)
