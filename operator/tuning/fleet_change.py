@@ -75,8 +75,9 @@ def scale_out_in_flight(state: ScaleState, replicas: int, ready: int, policy: Sc
                         now: float, who: str = AUTOSCALER) -> ScaleOut | None:
     """What the last scale-out is waiting for, or None when there is none in flight. `replicas` and `ready`
     are the Deployment's now; `state` is the scaler's after its last tick (it learns that the pods are all
-    ready at its next tick, which comes after the tuner's: `ready` says it first). `who` made it, for the
-    reason: AUTOSCALER (spec.autoscaling) or OUTSIDE (`OutsideScale`)."""
+    ready at its next tick, which comes after the tuner's: `ready` says it first). After the settling, the
+    drain it returns holds only as `ScaleOut.seen` finds it against the tuner's reading (`decide` does).
+    `who` made it, for the reason: AUTOSCALER (spec.autoscaling) or OUTSIDE (`OutsideScale`)."""
     added, grew = (f"pods {who} added", f"the {replicas} replicas {who} grew to") if who == AUTOSCALER else \
         (f"pods added {who}", f"the {replicas} replicas the fleet grew to {who}")
     last = state.last_scale_time
