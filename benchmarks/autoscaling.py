@@ -66,10 +66,10 @@ from benchmarks.fleet_scenario import SCENARIOS, TUNING_TESTS, Scenario  # noqa:
 from benchmarks.fleet_sim import FLEET_P99S, ROUTINGS, FleetSim, merge_windows  # noqa: E402
 from iterserve.operator.tuning.decide import HOLD, Decision, TunerState, decide  # noqa: E402
 from iterserve.operator.tuning.decision import stay  # noqa: E402
-from iterserve.operator.tuning.fleet_change import OutsideScale, scale_out_in_flight  # noqa: E402
+from iterserve.operator.tuning.fleet_change import OutsideScale, scale_out_in_flight, second_look  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.reading import read  # noqa: E402
-from iterserve.operator.tuning.scale import Fleet, ScaleDecision, ScalePolicy, ScaleState, decide_scale  # noqa: E402
+from iterserve.operator.tuning.scale import SCALE_OUT, Fleet, ScaleDecision, ScalePolicy, ScaleState, decide_scale  # noqa: E402
 
 # the table of record's scenario (benchmarks/fleet_scenario.py's TUNING_TESTS), by its old names
 TICK_S = TUNING_TESTS.tick_s
@@ -202,6 +202,15 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
             outside, listed = outside.queue(obs.queued, t), sim.ready(t)
         knobs_before = tuner.knobs
         d = decide(tuner, obs, policy, t, in_flight)
+
+        def view(d: Decision) -> Fleet:
+            return Fleet(replicas=replicas, ready=sim.ready(t), obs=obs,
+                         reading=r if obs.num_samples >= policy.min_samples else None, verdict=d.tuned,
+                         tuner_action=d.action, batch_cap=d.state.knobs.max_num_seqs, knobs=d.state.knobs)
+
+        if controller == "replicas":  # the tuner's move again, when the scaler grows the fleet on this window
+            d = second_look(d, in_flight, obs.queued, lambda so: decide(tuner, obs, policy, t, so),
+                            lambda x: scaler(scaler_state, view(x), scale_policy, t).action == SCALE_OUT)
         if tuner_hold is not None and controller == "replicas" and d.action != HOLD and r.trouble is None and \
                 (why := tuner_hold(scaler_state, replicas, sim.ready(t), scale_policy, t, obs.queued)) is not None:
             d = stay(tuner, t, why, None, tuner.tuned)
@@ -210,10 +219,7 @@ def simulate(fleet: int, seed: int, controller: str, threshold: float = 0.0, sta
             seen = []
         s = None
         if controller == "replicas":
-            view = Fleet(replicas=replicas, ready=sim.ready(t), obs=obs,
-                         reading=r if obs.num_samples >= policy.min_samples else None, verdict=d.tuned,
-                         tuner_action=d.action, batch_cap=tuner.knobs.max_num_seqs, knobs=tuner.knobs)
-            s = scaler(scaler_state, view, scale_policy, t)
+            s = scaler(scaler_state, view(d), scale_policy, t)
             scaler_state = s.state
         if probe is not None:
             probe.after(tick, sim, obs, r.met and r.trouble is None, d, s)

@@ -7,7 +7,8 @@ status (desiredReplicas, lastScale, the `Autoscaling` condition); a change is th
 reconcile, which reads desiredReplicas back and applies the Deployment (and the PodDisruptionBudget) with
 it, so there is one way the Deployment is written. The Events name each change and each turn of the
 condition into or out of trouble. Before the tuner's tick, it tells the tuner whether pods its last
-scale-out added are still coming up (operator/tuning/fleet_change.py).
+scale-out added are still coming up (operator/tuning/fleet_change.py); before the tuner applies a move,
+`decide` says whether the fleet grows on it (`fleet_change.second_look`), the scaler's state untouched.
 """
 
 from __future__ import annotations
@@ -72,14 +73,23 @@ class Autoscaler:
         return scale_out_in_flight(self.state, seen.desired, seen.ready, scale_policy(svc, tuning),
                                    time.time() if now is None else now)
 
-    def tick(self, kube: Kube, svc: LLMService, seen: Replicas, record: TuningRecord,
-             tuning: TuningPolicy) -> list[dict]:
+    @staticmethod
+    def conflicts(kube: Kube, svc: LLMService) -> tuple[str, ...]:
+        """The HorizontalPodAutoscalers that target the service too, read once a tick."""
+        return conflicting_hpas(kube.list(HPA_API, "HorizontalPodAutoscaler", svc.namespace), svc)
+
+    def decide(self, svc: LLMService, seen: Replicas, record: TuningRecord, tuning: TuningPolicy,
+               conflicts: tuple[str, ...]) -> ScaleDecision:
+        """What this scaler decides on the tuner's `record` (pure: its state is kept as it is)."""
+        return decide_scale(self.state, fleet_of(record, tuning, seen.desired, seen.ready, conflicts),
+                            scale_policy(svc, tuning), record.time)
+
+    def tick(self, kube: Kube, svc: LLMService, seen: Replicas, record: TuningRecord, tuning: TuningPolicy,
+             conflicts: tuple[str, ...]) -> list[dict]:
         """Decide, write the status and, on a change, reconcile; returns the Events to emit."""
         ns, name, now = svc.namespace, svc.name, record.time
-        replicas, ready = seen.desired, seen.ready
-        conflicts = conflicting_hpas(kube.list(HPA_API, "HorizontalPodAutoscaler", ns), svc)
-        decision = decide_scale(self.state, fleet_of(record, tuning, replicas, ready, conflicts),
-                                scale_policy(svc, tuning), now)
+        replicas = seen.desired
+        decision = self.decide(svc, seen, record, tuning, conflicts)
         self.state = decision.state
         c = decision.condition
         fields = status_fields(decision, replicas, now)

@@ -41,7 +41,7 @@ from iterserve.operator.controller import object_lock, write_tuning_status
 from iterserve.operator.kube import Kube
 from iterserve.operator.pod_rotation import rotate
 from iterserve.operator.reconcile import pod_admin_url, pod_url, ready_pods, set_tuned_knobs, short_error
-from iterserve.operator.scaling_loop import Autoscaler, replicas_of
+from iterserve.operator.scaling_loop import Autoscaler, Replicas, replicas_of
 from iterserve.operator.spec import LLMService, SpecError, parse_llmservice
 from iterserve.operator.status import TUNING_OFF_MESSAGE
 from iterserve.operator.tuning.decide import HOLD
@@ -51,6 +51,7 @@ from iterserve.operator.tuning.observe import PodScraper
 from iterserve.operator.tuning.operator_metrics import OperatorMetrics
 from iterserve.operator.tuning.policy import InvalidPolicyError, TuningPolicy
 from iterserve.operator.tuning.prometheus import PrometheusSource
+from iterserve.operator.tuning.scale import SCALE_OUT
 from iterserve.operator.tuning.tuner import Tuner, TuningRecord
 
 logger = logging.getLogger("iterserve.operator.tuning")
@@ -167,7 +168,7 @@ class TuningLoop:
 
     def _tick(self, body: dict) -> tuple[TuningRecord | None, list[dict]]:
         """The tuner's tick, then (spec.autoscaling) the autoscaler's on the same window: (record, the
-        autoscaler's Events)."""
+        autoscaler's Events). The tuner asks the autoscaler first whether it grows the fleet on its move."""
         ns, name = self.namespace, self.name
         with object_lock(ns, name):
             try:
@@ -184,7 +185,8 @@ class TuningLoop:
                 return None, []  # not created yet: the reconcile is on it
             in_force = Knobs.from_dict(knobs)
             tuner = self._tuner(svc, policy, in_force, token)
-            seen, scale_out = None, None
+            seen, scale_out, scales_out = None, None, None
+            conflicts: tuple[str, ...] = ()
             if svc.autoscaling is None:
                 self.autoscaler = Autoscaler()  # turned off: a later spec.autoscaling starts afresh
                 scale_out = self._outside_scale_out(svc, policy)
@@ -192,7 +194,9 @@ class TuningLoop:
                 self.outside = OutsideScale()
                 seen = replicas_of(self.kube, svc, (self.kube.get_llmservice(ns, name) or {}).get("status"))
                 scale_out = self.autoscaler.scale_out_in_flight(svc, seen, policy)
-            record = tuner.tick(scale_out=scale_out)
+                conflicts = self.autoscaler.conflicts(self.kube, svc)
+                scales_out = self._scales_out(svc, seen, policy, conflicts)
+            record = tuner.tick(scale_out=scale_out, scales_out=scales_out)
             if seen is None and record.observation is not None:
                 self.outside = self.outside.queue(record.observation.queued, record.time)
             self._rotate(svc, record)
@@ -200,7 +204,13 @@ class TuningLoop:
                 return None, []  # deleted meanwhile
             if seen is None:
                 return record, []
-            return record, self.autoscaler.tick(self.kube, svc, seen, record, policy)
+            return record, self.autoscaler.tick(self.kube, svc, seen, record, policy, conflicts)
+
+    def _scales_out(self, svc: LLMService, seen: Replicas, policy: TuningPolicy,
+                    conflicts: tuple[str, ...]) -> Callable[[TuningRecord], bool]:
+        """Whether the autoscaler grows the fleet on a tuner's record, for the tuner's second look at its
+        move (fleet_change.second_look): the scaler's decision on it, its state untouched."""
+        return lambda record: self.autoscaler.decide(svc, seen, record, policy, conflicts).action == SCALE_OUT
 
     def _tuner(self, svc: LLMService, policy: TuningPolicy, in_force: Knobs, token: str) -> Tuner:
         """The Tuner, created on the first tick, brought up to date with the spec and the knobs in force."""

@@ -3,7 +3,9 @@ for a breach, and once they are up (settling or draining), or ITL is over as wel
 chunk either:
 `scale_out_in_flight` on a table of scaler states, then `decide` with and without a scale-out in flight on
 the same windows (the held move gives way to the next cure, or to holding; preemptions still back off;
-ITL's breach is still cured); `OutsideScale` following a fleet sized outside the operator tick by tick."""
+ITL's breach is still cured); `second_look` at a move on the window the scaler grows the fleet on (the
+scaler's own `decide_scale` on the tuner's record); `OutsideScale` following a fleet sized outside the
+operator tick by tick."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import dataclasses
 
 import pytest
 
+from iterserve.operator.autoscaling import fleet_of
 from iterserve.operator.tuning.decide import (
     BACK_OFF_SEQS,
     HOLD,
@@ -21,8 +24,10 @@ from iterserve.operator.tuning.decide import (
     TunerState,
     decide,
 )
-from iterserve.operator.tuning.fleet_change import OutsideScale, ScaleOut, scale_out_in_flight
+from iterserve.operator.tuning.fleet_change import OutsideScale, ScaleOut, scale_out_in_flight, second_look
+from iterserve.operator.tuning.scale import decide_scale
 from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
+from iterserve.operator.tuning.tuner import TuningRecord
 from tests.test_tuning_decide import ITL_OVER, START, TTFT_OVER_NO_QUEUE, TTFT_OVER_QUEUED, window
 from tests.test_tuning_decide import POLICY as TUNING
 
@@ -177,6 +182,64 @@ def test_while_pods_start_with_itl_over_the_chunk_is_not_raised(name, obs, knobs
     # ITL within its SLO: the larger chunk is TTFT's cure while the pods start as before
     ttft = window(ttft=3000, itl=40)
     assert decide_at(ttft, IN_FLIGHT, knobs).action == decide_at(ttft, None, knobs).action == RAISE_CHUNK
+
+
+# a live window: a new queue, p99 TTFT 1.51x and ITL 1.13x, the cap not binding: the tuner raised the chunk
+# 128 -> 256, and the scaler then grew the fleet on it for the growing queue (ITL went to 445-486 ms)
+GROWING = dataclasses.replace(window(ttft=1510, itl=113, waiting=8, running=2), start=NOW - TUNING.window_s, end=NOW)
+GREW = ScaleState(queue=((NOW - TUNING.window_s, 2.0),))  # the window before it: 2 waiting, now 8
+SCALER = ScalePolicy(min_replicas=1, max_replicas=2, settle_s=TUNING.window_s, window_s=TUNING.window_s)
+
+
+def scaler_on(state: ScaleState, replicas: int = 1):
+    """The scaler's decision on a tuner's decision, as the operator asks it (`scales_out`)."""
+    def scales_out(d) -> bool:
+        record = TuningRecord("team-a", "chat", NOW, d.state.knobs, GROWING, d, d.applied)
+        fleet = fleet_of(record, TUNING, replicas, replicas, ())
+        return decide_scale(state, fleet, SCALER, NOW).action == SCALE_OUT
+    return scales_out
+
+
+def look(scale_out, scales_out):
+    first = decide_at(GROWING, scale_out)
+    return first, second_look(first, scale_out, GROWING.queued, lambda again: decide_at(GROWING, again), scales_out)
+
+
+def test_a_raise_on_the_window_the_fleet_grows_on_is_held():
+    first, looked = look(None, scaler_on(GREW))
+    assert first.action == RAISE_CHUNK and first.state.knobs.prefill_chunk_size == 256
+    assert looked.action == HOLD and looked.state.knobs == START and looked.state.last_change_time is None
+    assert "adds on this window are about to start: not raising the chunk" in looked.reason, looked.reason
+    assert scaler_on(GREW)(looked)  # the growth rule reads the queue: the fleet grows on the hold as well
+
+
+def test_a_drain_the_window_ends_is_no_scale_out_told():
+    """A drain the tuner's window resolves away (the queue grows again) told the tuner nothing: the move is
+    looked at again."""
+    drain = ScaleOut("the 2 replicas the autoscaler grew to are draining the backlog", ready=True, drain_from=5.0)
+    assert drain.seen(GROWING.queued) is None
+    first, looked = look(drain, scaler_on(GREW))
+    assert first.action == RAISE_CHUNK and looked.action == HOLD
+
+
+def never(d):
+    raise AssertionError("the scaler is not asked")
+
+
+@pytest.mark.parametrize("name, scale_out, scales_out", [
+    ("the queue not growing: no scale-out, the raise stands", None, scaler_on(ScaleState())),
+    ("at maxReplicas: no scale-out, the raise stands", None, scaler_on(GREW, replicas=2)),
+    ("the fleet would not grow on the held decision: the raise stands", None, lambda d: d.action == RAISE_CHUNK),
+    ("a scale-out in flight: the tuner was told of it, the scaler is not asked", IN_FLIGHT, never),
+])
+def test_the_move_stands(name, scale_out, scales_out):
+    first, looked = look(scale_out, scales_out)
+    assert looked == first
+
+
+def test_a_hold_is_not_looked_at_again():
+    held = decide_at(window(), None)
+    assert held.action == HOLD and second_look(held, None, 0.0, never, never) == held
 
 
 def follow(ticks: list[tuple[int, int, float | None]], window_s: float = 60.0) -> list[str | None]:

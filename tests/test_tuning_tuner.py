@@ -16,7 +16,7 @@ from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.tuner import Tuner
 from tests.server_support import InProcessServer, free_port
-from tests.test_tuning_decide import GOOD_BUSY
+from tests.test_tuning_decide import GOOD_BUSY, window
 
 TOKEN = "admin-secret-for-tests"
 START = Knobs(max_num_seqs=4, max_num_batched_tokens=512, prefill_chunk_size=128)
@@ -164,3 +164,26 @@ def test_a_verdict_that_turns_without_a_move_is_logged(pods, caplog):
         tuner.tick(now=11.0)  # the same verdict again: nothing more to say
     turns = [r.getMessage() for r in caplog.records if "Tuned" in r.getMessage()]
     assert len(turns) == 1 and "team-a/chat: Tuned Unknown/NotObserved -> True/SLOMet" in turns[0]
+
+
+def test_a_move_the_scaler_grows_the_fleet_on_is_decided_again_before_it_is_applied(pods):
+    """The scaler ticks after the tuner, on its record: `scales_out` asks it first, with the move not yet
+    applied. A larger chunk with ITL over (a new queue) on the window the fleet grows on is held; no pod
+    nor the ConfigMap sees it. Where the scaler would not grow the fleet, the raise goes through."""
+    growing = window(ttft=1510, itl=113, waiting=8, running=2)  # the cap (4) does not bind: a larger chunk
+    asked, applied = [], []
+
+    def scales_out(record):
+        asked.append((record.decision.action, record.knobs.prefill_chunk_size))
+        return True
+
+    tuner, _ = make_tuner(pods[:1], obs=growing, apply=applied.append)
+    rec = tuner.tick(now=10.0, scales_out=scales_out)
+    assert asked == [("raise_prefill_chunk_size", 256), ("hold", 128)]
+    assert rec.decision.action == "hold" and not rec.changed and applied == []
+    assert "about to start: not raising the chunk" in rec.decision.reason, rec.decision.reason
+    assert get_scheduler(pods[0], TOKEN)["knobs"]["prefill_chunk_size"] == 128
+    tuner, _ = make_tuner(pods[:1], obs=growing, apply=applied.append)
+    rec = tuner.tick(now=10.0, scales_out=lambda record: False)
+    assert rec.decision.action == "raise_prefill_chunk_size" and rec.changed
+    assert get_scheduler(pods[0], TOKEN)["knobs"]["prefill_chunk_size"] == 256

@@ -38,7 +38,7 @@ from iterserve.operator.tuning.decision import (  # noqa: F401  (re-exported: de
     stay,
 )
 from iterserve.operator.tuning.failures import mark_failed
-from iterserve.operator.tuning.fleet_change import ScaleOut
+from iterserve.operator.tuning.fleet_change import ScaleOut, told
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import Reading, count_breach, read
@@ -53,7 +53,7 @@ class Window:
                  scale_out: ScaleOut | None = None):
         self.state, self.obs, self.policy, self.now = state, obs, policy, now
         # what a scale-out in flight waits for (fleet_change.py), or None; a drain as this window's queue has it
-        self.scale_out = scale_out if scale_out is None or obs is None else scale_out.seen(obs.queued)
+        self.scale_out = told(scale_out, None if obs is None else obs.queued)
 
     @property
     def seen(self) -> Observation:

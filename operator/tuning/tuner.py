@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 
 from iterserve.common.wire import Knobs
 from iterserve.operator.tuning.decide import HOLD, ROLLBACK, Decision, TunerState, decide
-from iterserve.operator.tuning.fleet_change import ScaleOut
+from iterserve.operator.tuning.fleet_change import ScaleOut, second_look
 from iterserve.operator.tuning.observation import MetricsSource, Observation
 from iterserve.operator.tuning.pod_admin import PodCallError, get_scheduler, patch_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
@@ -117,8 +117,11 @@ class Tuner:
                                          recent_knobs=(), previous_action=None, chunk_before_cheap_raise=None)
         self.synced.clear()
 
-    def tick(self, now: float | None = None, scale_out: ScaleOut | None = None) -> TuningRecord:
-        """`scale_out`: what a scale-out in flight waits for (`fleet_change.scale_out_in_flight`), or None."""
+    def tick(self, now: float | None = None, scale_out: ScaleOut | None = None,
+             scales_out: Callable[[TuningRecord], bool] | None = None) -> TuningRecord:
+        """`scale_out`: what a scale-out in flight waits for (`fleet_change.scale_out_in_flight`), or None.
+        `scales_out`: whether the scaler, which ticks after the tuner, grows the fleet on this tick's record
+        if it is as given (the move not yet applied): a move it would is looked at again (`second_look`)."""
         now = self.clock() if now is None else now
         pods = list(self.list_pods())
         errors: list[str] = []
@@ -130,6 +133,11 @@ class Tuner:
             errors += list(obs.errors) if obs else []
         before = self.state.tuned
         decision = decide(self.state, obs, self.policy, now, scale_out)
+        if scales_out is not None:
+            decision = second_look(
+                decision, scale_out, obs.queued if obs is not None else None,
+                lambda again: decide(self.state, obs, self.policy, now, again),
+                lambda d: scales_out(TuningRecord(self.namespace, self.name, now, d.state.knobs, obs, d, d.applied)))
         changed = False
         if decision.applied and decision.knobs is not None:
             changed, apply_errors = self._apply(pods, decision.knobs)
