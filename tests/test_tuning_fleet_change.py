@@ -213,7 +213,7 @@ def test_a_raise_on_the_window_the_fleet_grows_on_is_held():
     assert scaler_on(GREW)(looked)  # the growth rule reads the queue: the fleet grows on the hold as well
 
 
-def test_a_drain_the_window_ends_is_no_scale_out_told():
+def test_a_drain_the_window_resolves_away_gets_a_second_look():
     """A drain the tuner's window resolves away (the queue grows again) told the tuner nothing: the move is
     looked at again."""
     drain = ScaleOut("the 2 replicas the autoscaler grew to are draining the backlog", ready=True, drain_from=5.0)
