@@ -47,7 +47,7 @@ from benchmarks.fleet_scenario import SCENARIOS, TUNING_TESTS, Scenario  # noqa:
 from benchmarks.fleet_sim import ROUTINGS, FleetSim  # noqa: E402
 from iterserve.operator.tuning.actions import HOLD  # noqa: E402
 from iterserve.operator.tuning.decision import Decision  # noqa: E402
-from iterserve.operator.tuning.fleet_change import scale_out_in_flight  # noqa: E402
+from iterserve.operator.tuning.fleet_change import scale_out_in_flight, told  # noqa: E402
 from iterserve.operator.tuning.observation import Observation  # noqa: E402
 from iterserve.operator.tuning.scale import (  # noqa: E402
     SCALE_IN,
@@ -161,8 +161,7 @@ def tuner_holds_while_scaling(state: ScaleState, replicas: int, ready: int, poli
     under it, its window holds the fleet before the change, so it holds every move until a window holds
     only the new fleet (the scaler's own `settling`), after a scale-in too. `queued`: requests waiting in
     the tuner's window. The reason, or None."""
-    why = scale_out_in_flight(state, replicas, ready, policy, now)
-    if why is not None and (why := why.seen(queued)) is not None:
+    if (why := told(scale_out_in_flight(state, replicas, ready, policy, now), queued)) is not None:
         return str(why)
     last = state.last_scale_time
     if state.last_direction != SCALE_IN or last is None or now - last >= policy.settle_s:

@@ -24,7 +24,7 @@ from iterserve.operator.tuning.decide import (
     TunerState,
     decide,
 )
-from iterserve.operator.tuning.fleet_change import OutsideScale, ScaleOut, scale_out_in_flight, second_look
+from iterserve.operator.tuning.fleet_change import OutsideScale, ScaleOut, scale_out_in_flight, second_look, told
 from iterserve.operator.tuning.scale import decide_scale
 from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
 from iterserve.operator.tuning.tuner import TuningRecord
@@ -70,8 +70,7 @@ ROWS = [
 
 @pytest.mark.parametrize("title, state, seen, queued, words", ROWS, ids=[r[0] for r in ROWS])
 def test_scale_out_in_flight(title, state, seen, queued, words):
-    why = scale_out_in_flight(state, *seen, POLICY, NOW)
-    why = why if why is None else why.seen(queued)
+    why = told(scale_out_in_flight(state, *seen, POLICY, NOW), queued)
     assert why is None if words is None else (why is not None and words in str(why)), why
     assert why is None or why.ready == ("starting" not in words)  # pods up: a larger chunk is held
 
