@@ -57,9 +57,9 @@ from iterserve.operator.tuning.scale import (  # noqa: E402
     ScaleDecision,
     ScalePolicy,
     ScaleState,
-    Tick,
     decide_scale,
 )
+from iterserve.operator.tuning.scale_tick import Tick  # noqa: E402
 
 
 def peak_tick(scenario: Scenario) -> int:

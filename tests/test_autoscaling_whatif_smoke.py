@@ -25,7 +25,8 @@ from iterserve.operator.tuning.decision import Condition
 from iterserve.operator.tuning.observation import Observation
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.reading import read
-from iterserve.operator.tuning.scale import SCALE_IN, SCALE_OUT, Fleet, ScalePolicy, ScaleState, Tick
+from iterserve.operator.tuning.scale import SCALE_IN, SCALE_OUT, Fleet, ScalePolicy, ScaleState
+from iterserve.operator.tuning.scale_tick import Tick
 
 PEAK_TICK = peak_tick(TUNING_TESTS)
 
