@@ -23,10 +23,10 @@ from iterserve.operator.tuning.scale import (
     Fleet,
     ScalePolicy,
     ScaleState,
-    Tick,
     WindowLoad,
     decide_scale,
 )
+from iterserve.operator.tuning.scale_tick import Tick
 
 TUNING = TuningPolicy(ttft_p99_ms=1000, itl_p99_ms=100, min_samples=20)
 POLICY = ScalePolicy(min_replicas=1, max_replicas=8, scale_up_window_s=0, scale_down_window_s=300, settle_s=60)

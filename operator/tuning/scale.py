@@ -26,8 +26,7 @@ from collections.abc import Callable
 
 from iterserve.operator.tuning.actions import ROLLBACK
 from iterserve.operator.tuning.decision import Condition
-from iterserve.operator.tuning.scale_state import (  # noqa: F401  (re-exported: the decision's types)
-    EXHAUSTED,
+from iterserve.operator.tuning.scale_state import (  # noqa: F401  (WindowLoad re-exported)
     SCALE_IN,
     SCALE_OUT,
     STAY,
