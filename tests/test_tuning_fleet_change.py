@@ -28,8 +28,8 @@ from iterserve.operator.tuning.fleet_change import OutsideScale, ScaleOut, scale
 from iterserve.operator.tuning.scale import decide_scale
 from iterserve.operator.tuning.scale_state import SCALE_IN, SCALE_OUT, ScalePolicy, ScaleState
 from iterserve.operator.tuning.tuner import TuningRecord
-from tests.test_tuning_decide import ITL_OVER, START, TTFT_OVER_NO_QUEUE, TTFT_OVER_QUEUED, window
-from tests.test_tuning_decide import POLICY as TUNING
+from tests.tuning_windows import ITL_OVER, START, TTFT_OVER_NO_QUEUE, TTFT_OVER_QUEUED, window
+from tests.tuning_windows import POLICY as TUNING
 
 POLICY = ScalePolicy(min_replicas=1, max_replicas=8, settle_s=60, pod_start_s=600)
 NOW = 10_000.0

@@ -1,7 +1,7 @@
 """Tuner.tick's acting half against real servers: the ConfigMap callback before the pods, every ready pod
 patched live, late pods and unreachable ones brought in line on later ticks, nothing committed when no pod
 took a change, observe mode touching nothing; plus the status, condition, Event and operator metrics.
-The observations are given (a canned MetricsSource): deciding is tested in test_tuning_decide.py, reading
+The observations are given (a canned MetricsSource): deciding is tested in test_tuning_decide*.py, reading
 metrics in test_tuning_observe.py and test_tuning_live.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from iterserve.operator.tuning.pod_admin import get_scheduler
 from iterserve.operator.tuning.policy import TuningPolicy
 from iterserve.operator.tuning.tuner import Tuner
 from tests.server_support import InProcessServer, free_port
-from tests.test_tuning_decide import GOOD_BUSY, window
+from tests.tuning_windows import GOOD_BUSY, window
 
 TOKEN = "admin-secret-for-tests"
 START = Knobs(max_num_seqs=4, max_num_batched_tokens=512, prefill_chunk_size=128)
@@ -156,7 +156,7 @@ def test_set_knobs_restarts_the_window(pods):
 
 
 def test_a_verdict_that_turns_without_a_move_is_logged(pods, caplog):
-    from tests.test_tuning_decide import GOOD_IDLE
+    from tests.tuning_windows import GOOD_IDLE
 
     tuner, _ = make_tuner(pods[:1], obs=GOOD_IDLE)  # SLO met, nothing waits: no move
     with caplog.at_level(logging.INFO, logger="iterserve.operator.tuning"):
